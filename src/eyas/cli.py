@@ -1,0 +1,67 @@
+"""The `eyas` command: the only place that parses argv.
+
+Each stage module under `eyas.stages` exposes `register(subparsers)`, which adds its
+subcommand and sets `func(args) -> int`. Errors derived from EyasError become one line on
+stderr and their exit code (2 bad input, 1 findings); nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from eyas import __version__
+from eyas.errors import EyasError
+
+STAGES = ("target", "data", "vocab", "capture", "train", "export", "bench", "doctor", "quickstart")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on one line and exit code 2 (its own default)."""
+
+    def error(self, message: str) -> None:  # noqa: D102
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="eyas", description=__doc__.splitlines()[0].replace("The `eyas` command: ", "")
+                     or "eyas", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.description = ("eyas trains, converts, verifies and runs EAGLE-3 drafters for Hugging Face "
+                          "decoder-only LMs. Every stage reads and writes plain directories.")
+    parser.add_argument("--version", action="version", version=f"eyas {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in STAGES:
+        try:
+            module = importlib.import_module(f"eyas.stages.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"eyas.stages.{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except EyasError as e:
+        msg = " ".join(str(e).split())
+        print(f"eyas {args.command}: error: {msg}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"eyas {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Helpers shared by stage drivers: JSON summaries, atomic output directories, provenance."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from eyas import __version__
+from eyas.errors import EyasError
+
+
+def emit(args, summary: dict, human: str) -> None:
+    """Print `summary` as JSON when `--json` was given, else the human text."""
+    if getattr(args, "json", False):
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print(human)
+
+
+def add_json_flag(p) -> None:
+    p.add_argument("--json", action="store_true", help="print a machine-readable JSON summary")
+
+
+@contextmanager
+def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary sibling of `out`; on success it replaces `out`, on failure it is
+    removed, so a half-written output never exists under the final name."""
+    out = Path(out)
+    if out.exists() and not force and any(out.iterdir()):
+        raise EyasError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp.", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to `path` via a temp file + rename (never half a file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(args=None) -> dict:
+    """Versions, argv and git sha to store beside every artifact."""
+    import torch
+    import transformers
+
+    return {
+        "eyas": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "argv": sys.argv,
+        "git_sha": git_sha(),
+    }

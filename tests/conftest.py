@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random targets (session-scoped), an isolated EYAS_HOME, the CLI."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import tiny  # noqa: E402
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+PROMPTS = SHARED / "data" / "prompts"
+KINDS = ("llama", "qwen2", "mistral", "gemma")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return tiny.build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
+    """One tiny random target per architecture family: {kind: directory}."""
+    root = tmp_path_factory.mktemp("targets")
+    return {k: tiny.build_target(root / k, kind=k, tokenizer=tiny_tokenizer) for k in KINDS}
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_targets) -> Path:
+    """The default tiny target: a 4-layer Llama, hidden 64, vocab ~256."""
+    return tiny_targets["llama"]
+
+
+@pytest.fixture(scope="session")
+def builtin_target() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once into the user's cache (reused across runs)."""
+    from eyas import targets
+
+    return targets.resolve("smollm2-135m")
+
+
+@pytest.fixture
+def eyas_cli(capsys):
+    """Run `eyas ARGS...` in-process; returns (exit code, stdout, stderr)."""
+    from eyas.cli import main
+
+    def run(*argv: str):
+        code = main([str(a) for a in argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

@@ -1,0 +1,65 @@
+import json
+
+import pytest
+import torch
+
+from eyas import targets
+from eyas.errors import EyasError
+from conftest import KINDS
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_info_and_aux_capture_match_output_hidden_states(tiny_targets, kind):
+    path = tiny_targets[kind]
+    d = targets.info(path)
+    assert d["num_layers"] == 4 and d["chat_template"] is True
+    assert d["default_aux_layers"] == [2, 2, 1]
+    model, tok = targets.load(path)
+    ids = torch.tensor([tok.encode("the model is fast and the data is slow")])
+    ref = model(ids, output_hidden_states=True)
+    layer_ids = [0, 1, 3, 4]
+    with targets.capture_aux(model, layer_ids) as cap:
+        logits = model(ids).logits
+    want = torch.cat([ref.hidden_states[i] for i in layer_ids], dim=-1)
+    torch.testing.assert_close(cap.aux(), want)
+    torch.testing.assert_close(cap.last, ref.hidden_states[-1])  # post final norm
+    torch.testing.assert_close(model.lm_head(cap.last), logits)
+
+
+def test_wrapped_model_layers_are_found(tiny_target):
+    model, _ = targets.load(tiny_target)
+
+    class Wrapper(torch.nn.Module):  # a multimodal-style wrapper: language model under an attribute
+        def __init__(self, lm):
+            super().__init__()
+            self.language_model = lm
+
+    stack = targets.find_decoder_stack(Wrapper(model))
+    assert stack.path == "language_model.model.layers"
+    with pytest.raises(EyasError, match="tried model.layers"):
+        targets.find_decoder_stack(torch.nn.Linear(2, 2))
+
+
+def test_bad_targets_exit_2(eyas_cli, tmp_path):
+    code, _, err = eyas_cli("target", "info", "some-org/some-model")
+    assert code == 2 and "never downloads" in err and "Traceback" not in err
+    code, _, err = eyas_cli("target", "fetch", str(tmp_path / "missing"))
+    assert code == 2 and "no such directory" in err
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    code, _, err = eyas_cli("target", "info", str(tmp_path / "bad"))
+    assert code == 2 and "not valid JSON" in err
+
+
+def test_fetch_local_prints_path(eyas_cli, tiny_target):
+    code, out, _ = eyas_cli("target", "fetch", str(tiny_target), "--json")
+    assert code == 0 and json.loads(out)["path"] == str(tiny_target.resolve())
+
+
+@pytest.mark.slow
+def test_builtin_target_fetch_and_info(eyas_cli, builtin_target):
+    code, out, _ = eyas_cli("target", "info", "smollm2-135m", "--json")
+    d = json.loads(out)
+    assert code == 0
+    assert (d["num_layers"], d["hidden_size"], d["vocab_size"]) == (30, 576, 49152)
+    assert d["default_aux_layers"] == [2, 15, 27] and d["chat_template"]

@@ -1,0 +1,78 @@
+"""Tiny random targets built in code (no network): a BPE tokenizer trained here with a
+ChatML chat template, and 2-4 layer Llama / Qwen2 / Mistral / Gemma models of hidden 32-64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+WORDS = (
+    "the a an of to and in is was for on that with as it by at from this be are or which "
+    "model token draft target speculative decoding layer hidden state vocabulary training "
+    "python code function return value list number sum answer question explain write story "
+    "math two three four five plus minus times equals because therefore first second then "
+    "cat dog house river mountain city computer program data loss accuracy step fast slow"
+).split()
+
+
+def corpus(n: int = 400, seed: int = 0) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    lines = []
+    for _ in range(n):
+        k = int(torch.randint(4, 16, (1,), generator=g))
+        idx = torch.randint(0, len(WORDS), (k,), generator=g).tolist()
+        lines.append(" ".join(WORDS[i] for i in idx) + (" 12 + 7 = 19." if k % 3 == 0 else "."))
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 256):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _config(kind: str, vocab: int, hidden: int, layers: int):
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if kind == "gemma":
+        common.update(head_dim=hidden // 4, hidden_activation="gelu_pytorch_tanh")
+    return AutoConfig.for_model(kind, **common)
+
+
+def build_target(out: Path, kind: str = "llama", hidden: int = 64, layers: int = 4, seed: int = 0,
+                 tokenizer=None) -> Path:
+    """Save a tiny random `kind` causal LM + tokenizer to `out` and return it."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer or build_tokenizer()
+    torch.manual_seed(seed)
+    cfg = _config(kind, len(tok), hidden, layers)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # Random init with std 0.02 gives near-uniform logits; a larger head makes greedy
+    # decoding and the draft distributions non-trivial.
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
