@@ -1,0 +1,137 @@
+"""The eyas drafter checkpoint: `config.json` (DrafterConfig) + `model.safetensors` (engine
+names, no embedding) + `eyas.json` (provenance). Also the one tensor reader for every
+checkpoint file eyas accepts (safetensors, or `.bin` through `torch.load(weights_only=True)`,
+which refuses anything but tensors: an untrusted pickle never runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+from eyas.errors import EyasError
+
+FORMAT = "eyas.drafter"
+VERSION = 1
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a weights file (safetensors, or a tensor-only `.bin`/`.pt`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise EyasError(f"{path}: no such weights file")
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise EyasError(f"{path}: not a readable safetensors file ({e}); re-export it") from e
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        raise EyasError(f"{path}: refused to load (only plain tensors are accepted, never code): "
+                        f"{str(e).splitlines()[0][:200]}; convert it to safetensors where it was made") from e
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise EyasError(f"{path}: expected a dict of tensors; got {type(obj).__name__}")
+    return obj
+
+
+def find_weights(ckpt: Path) -> Path:
+    """The weights file of a checkpoint directory (first of WEIGHT_FILES present)."""
+    for name in WEIGHT_FILES:
+        if (ckpt / name).is_file():
+            return ckpt / name
+    raise EyasError(f"{ckpt}: no {' or '.join(WEIGHT_FILES)}; pass a drafter checkpoint directory")
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, with the file named on any error."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except FileNotFoundError as e:
+        raise EyasError(f"{path}: missing; pass a complete checkpoint directory") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{path}: not valid JSON ({e}); the file is corrupt, re-export it") from e
+    if not isinstance(obj, dict):
+        raise EyasError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def is_eyas_checkpoint(ckpt: Path) -> bool:
+    f = Path(ckpt) / "config.json"
+    try:
+        return f.is_file() and json.loads(f.read_text()).get("format") == FORMAT
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+
+
+def save_checkpoint(out: Path, drafter: Eagle3Drafter, meta: dict, dtype: torch.dtype | None = None) -> None:
+    """Write an eyas checkpoint atomically (temp dir + rename; replaces `out`)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp.", dir=out.parent))
+    try:
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous().cpu()
+                 for k, v in drafter.trainable_state_dict().items()}
+        save_file(state, tmp / "model.safetensors", metadata={"format": FORMAT})
+        cfg = {"format": FORMAT, "version": VERSION, **drafter.cfg.to_dict()}
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / "eyas.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = out.with_name(f".{out.name}.old")
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_config(ckpt: Path) -> DrafterConfig:
+    cfg = read_json(Path(ckpt) / "config.json")
+    if cfg.get("format") != FORMAT:
+        raise EyasError(f"{ckpt}/config.json: not an eyas checkpoint (format={cfg.get('format')!r}); "
+                        "use `eyas convert` for other layouts")
+    if cfg.get("version") != VERSION:
+        raise EyasError(f"{ckpt}/config.json: eyas checkpoint version {cfg.get('version')} is not {VERSION}; "
+                        "upgrade eyas or re-export")
+    body = {k: v for k, v in cfg.items() if k not in ("format", "version")}
+    try:
+        return DrafterConfig.from_dict(body)
+    except (TypeError, ValueError) as e:
+        raise EyasError(f"{ckpt}/config.json: {e}; re-export the checkpoint") from e
+
+
+def load_checkpoint(ckpt: Path, target_embedding: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:
+    """Load an eyas checkpoint. The embedding stays unloaded unless `target_embedding` is given."""
+    ckpt = Path(ckpt)
+    cfg = read_config(ckpt)
+    state = read_tensors(ckpt / "model.safetensors")
+    drafter = Eagle3Drafter(cfg)
+    want = set(drafter.trainable_state_dict())
+    missing, extra = sorted(want - set(state)), sorted(set(state) - want)
+    if missing or extra:
+        raise EyasError(f"{ckpt}/model.safetensors: missing keys {missing[:6]}, unexpected keys {extra[:6]}; "
+                        "the file does not match its config.json")
+    for k, v in drafter.trainable_state_dict().items():
+        if tuple(v.shape) != tuple(state[k].shape):
+            raise EyasError(f"{ckpt}/model.safetensors: {k} has shape {tuple(state[k].shape)}, config.json "
+                            f"implies {tuple(v.shape)}; re-export the checkpoint")
+    drafter.load_state_dict(state, strict=False)
+    if target_embedding is not None:
+        drafter.load_target_embedding(target_embedding)
+    meta_file = ckpt / "eyas.json"
+    meta = read_json(meta_file) if meta_file.exists() else {}
+    return drafter, meta

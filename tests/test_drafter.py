@@ -1,0 +1,95 @@
+"""The drafter model and the eyas checkpoint format."""
+
+import json
+
+import pytest
+import torch
+
+from eyas import targets
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter, causal_attend
+from eyas.errors import EyasError
+from eyas.formats.checkpoint import load_checkpoint, read_tensors, save_checkpoint
+
+ENGINE_KEYS = {
+    "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+}
+
+
+def make(tiny_target, **kw):
+    tcfg = targets.load_config(tiny_target)
+    cfg = DrafterConfig.from_target(tcfg, 64, [1, 2, 3], **kw)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(cfg)
+    d.d2t.copy_(torch.arange(64) * 2 - torch.arange(64))  # target ids 0, 2, 4, ...
+    d.t2d[torch.arange(64) * 2] = True
+    return d
+
+
+def test_engine_names_and_shapes(tiny_target):
+    d = make(tiny_target)
+    sd = d.trainable_state_dict()
+    assert set(sd) == ENGINE_KEYS
+    H = d.cfg.hidden_size
+    assert sd["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert sd["fc.weight"].shape == (H, 3 * H)
+    assert sd["lm_head.weight"].shape == (64, H)
+    assert d.draft_to_target(torch.tensor([0, 1, 63])).tolist() == [0, 2, 126]
+
+
+def test_random_embedding_and_narrow_features_refused(tiny_target):
+    d = make(tiny_target)
+    H = d.cfg.hidden_size
+    with pytest.raises(RuntimeError, match="embedding is still random"):
+        d.layer(torch.zeros(1, 2, H), torch.zeros(1, 2, dtype=torch.long), torch.arange(2)[None], causal_attend)
+    with pytest.raises(ValueError, match="fc expects"):  # the engines' silent fc bypass, refused here
+        d.fuse(torch.zeros(1, 2, H))
+
+
+def test_rope_matches_transformers(tiny_target):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_target)
+    d = make(tiny_target)
+    pos = torch.arange(7)[None]
+    x = torch.zeros(1, 7, 8)
+    cos_ref, sin_ref = model.model.rotary_emb(x, pos)
+    cos, sin = d.rope_cos_sin(pos, torch.float32)
+    torch.testing.assert_close(cos, cos_ref)
+    torch.testing.assert_close(sin, sin_ref)
+
+
+@pytest.mark.parametrize("flags", [{}, {"norm_before_residual": True, "fc_norm": True},
+                                   {"norm_before_fc": True, "norm_output": True}])
+def test_checkpoint_round_trip_same_logits(tiny_target, tmp_path, flags):
+    model, _ = targets.load(tiny_target)
+    emb = model.get_input_embeddings().weight
+    d = make(tiny_target, **flags)
+    d.load_target_embedding(emb)
+    aux = torch.randn(1, 5, 3 * d.cfg.target_hidden_size)
+    ids = torch.randint(0, 200, (1, 5))
+    pos = torch.arange(5)[None]
+    want = d.logits(d.layer(d.fuse(aux), ids, pos, causal_attend))
+    save_checkpoint(tmp_path / "ck", d, {"note": "test"})
+    d2, meta = load_checkpoint(tmp_path / "ck", target_embedding=emb)
+    assert meta == {"note": "test"}
+    torch.testing.assert_close(d2.logits(d2.layer(d2.fuse(aux), ids, pos, causal_attend)), want, rtol=0, atol=0)
+    assert "embed_tokens.weight" not in read_tensors(tmp_path / "ck" / "model.safetensors")
+
+
+def test_checkpoint_bad_inputs(tiny_target, tmp_path):
+    d = make(tiny_target)
+    save_checkpoint(tmp_path / "ck", d, {})
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    cfg["draft_vocab_size"] = 65
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EyasError, match="has shape .* config.json implies"):
+        load_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "config.json").write_text("{")
+    with pytest.raises(EyasError, match="not valid JSON"):
+        load_checkpoint(tmp_path / "ck")
+    (tmp_path / "ck" / "model.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(EyasError, match="not a readable safetensors"):
+        read_tensors(tmp_path / "ck" / "model.safetensors")
