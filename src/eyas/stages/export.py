@@ -1,0 +1,88 @@
+"""`eyas export` and `eyas convert`: write a drafter in a serving engine's layout, or move
+a drafter between layouts, and refuse (exit 1, nothing written) one that the chosen engine
+would load broken. Orchestration only; the formats live in eyas.formats.engines."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from eyas.errors import EyasError, FindingsError
+from eyas.formats import checkpoint as ckpt_io
+from eyas.formats import engines
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance
+
+log = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    e = sub.add_parser("export", help="write an eyas drafter for SGLang, vLLM, speculators or SpecForge/EAGLE",
+                       description="Export an eyas checkpoint (or a training run directory: its best/, else "
+                       "final/) to an engine layout, then check it the way that engine would load it; a "
+                       "checkpoint that would load broken is refused (exit 1, nothing written) unless --force.")
+    e.add_argument("run", help="eyas checkpoint directory, or a training run directory with best/ or final/")
+    _common(e, engines.ENGINES)
+    e.set_defaults(func=run_export)
+    c = sub.add_parser("convert", help="convert a drafter between eyas, SGLang, vLLM, speculators, EAGLE layouts",
+                       description="Read a drafter in any supported layout (detected, or --from) strictly and "
+                       "write it as --to FORMAT, then run the static checks for that format.")
+    c.add_argument("src", help="drafter directory (eyas, SGLang/SpecForge/EAGLE midlayer.*, speculators, vLLM)")
+    c.add_argument("--from", dest="layout", choices=engines.LAYOUTS, help="input layout (default: detected)")
+    _common(c, engines.LAYOUTS)
+    c.set_defaults(func=run_convert)
+
+
+def _common(p, formats) -> None:
+    p.add_argument("--to", required=True, choices=formats, help="output format")
+    p.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty unless --force)")
+    p.add_argument("--target", help="target directory or built-in name: adds embed_tokens.weight where the "
+                   "format needs it, resolves default aux layers, and is the speculators verifier path")
+    p.add_argument("--force", action="store_true", help="replace --out and write even when static checks fail")
+    add_json_flag(p)
+
+
+def pick_checkpoint(run: Path) -> tuple[Path, str]:
+    """An eyas checkpoint directory for RUN: RUN itself, else RUN/best, else RUN/final."""
+    run = Path(run)
+    if not run.is_dir():
+        raise EyasError(f"{run}: no such directory; pass an eyas checkpoint or a training run directory")
+    if ckpt_io.is_eyas_checkpoint(run):
+        return run, "the checkpoint given"
+    for name in ("best", "final"):
+        if ckpt_io.is_eyas_checkpoint(run / name):
+            return run / name, f"{name}/ of the run"
+    if (run / "config.json").is_file():
+        raise EyasError(f"{run} is not an eyas checkpoint (layout {engines.detect_layout(run)}); "
+                        "use `eyas convert` for other layouts")
+    raise EyasError(f"{run}: no eyas checkpoint here or in best/ or final/; pass the directory `eyas train` wrote")
+
+
+def run_export(args) -> int:
+    ckpt, picked = pick_checkpoint(args.run)
+    return _write(args, ckpt, "eyas", args.to, picked)
+
+
+def run_convert(args) -> int:
+    layout = args.layout or engines.detect_layout(Path(args.src))
+    return _write(args, Path(args.src), layout, args.to, f"layout {layout}")
+
+
+def _write(args, src: Path, layout: str, fmt: str, picked: str) -> int:
+    cfg, state, meta = engines.import_checkpoint(src, layout, target=args.target)
+    meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": meta.get("aux_layer_ids_source"),
+            **({"trained": meta["eyas"]} if "eyas" in meta else {}), "provenance": provenance(args)}
+    out = Path(args.out)
+    with atomic_dir(out, force=args.force) as tmp:
+        notes = engines.write_layout(cfg, state, fmt, tmp, target=args.target, meta=meta)
+        problems = engines.static_check(tmp, fmt, expected=cfg, target=args.target)
+        if fmt != "eyas":
+            notes += engines.engine_reading(tmp, fmt, engines.target_dir(args.target)).notes
+        if problems and not args.force:
+            raise FindingsError(f"refused to write {out} for {fmt}: " + "; ".join(problems)
+                                + " (fix the drafter, or pass --force to write it anyway)")
+    summary = {"source": str(src), "picked": picked, "from": layout, "to": fmt, "out": str(out),
+               "aux_layer_ids_hf": list(cfg.aux_layer_ids), "problems": problems, "notes": notes}
+    human = [f"wrote {out} ({fmt}) from {src} ({picked}); aux layers (HF index) {cfg.aux_layer_ids}"]
+    human += [f"  warning: {p}" for p in problems] + [f"  note: {n}" for n in notes]
+    emit(args, summary, "\n".join(human))
+    return 0
