@@ -189,8 +189,10 @@ def _convert_gguf(folder: Path, gguf_name: str, out: Path) -> None:
 def load(path: Path, dtype: str = "fp32", device: str = "cpu", trust_remote_code: bool = False):
     """Load (model, tokenizer) from a resolved target directory, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     validate_dir(path)
+    hf_logging.disable_progress_bar()  # eyas draws its own progress for long work
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,385 @@
+"""Raw prompt files -> `Conversation`s: format and schema auto-detection, lenient JSONL,
+de-duplication. Used by `eyas data prepare` and `eyas bench --prompts`.
+
+Files: a JSON array (`.json`), JSON Lines (`.jsonl`), or plain text (`.txt`, split into
+chunks at blank lines), each optionally gzip-compressed (`.gz`). A JSON file whose text
+does not start with `[` is read as JSON Lines. Malformed JSONL lines are repaired when
+the damage is benign (raw control characters, invalid `\\` escapes, one record split over
+two lines), otherwise counted and skipped; a file with no usable record is an error.
+
+Schema per record (first match wins; the turns list holds `user`, `assistant` and
+`system` turns; "answer" means an assistant turn is taken from the file):
+
+| schema     | detected by                       | user turn(s)                                    | answer                          |
+|------------|-----------------------------------|-------------------------------------------------|---------------------------------|
+| string     | a bare JSON string / `.txt` chunk | the string                                      | none                            |
+| openai     | `messages: [{role, content}]`     | `user` messages (`system` kept)                 | `assistant` messages            |
+| sharegpt   | `conversations: [{from, value}]`  | from `human`/`user` (`system` kept)             | from `gpt`/`assistant`/`chatgpt`|
+| mtbench    | `turns: [str, ...]`               | each turn, in order                             | `reference` if one per turn     |
+| alpaca     | `instruction` (+ `input`)         | instruction + blank line + input (if non-empty) | `output` or `response`          |
+| selfinst   | `instruction` + `instances`       | instruction + blank line + `instances[0].input` | `instances[0].output`           |
+| gsm8k      | `question`                        | question                                        | `answer`                        |
+| svamp      | `Body` + `Question`               | Body + " " + Question                           | none (`Answer` is a bare number)|
+| mbpp       | `text` (+ `test_list`)            | text + "Your code should pass these tests:" ... | `code`                          |
+| prompt     | `prompt` (HumanEval, arena-hard)  | prompt                                          | `completion` or `response`      |
+
+A leading assistant turn (nothing to answer) is dropped; a record with no user text is
+skipped and counted. Category per record: the record's own `subcategory`/`category`
+when it names a known one (MT-bench, arena-hard v2, EAGLE sets), else one inferred from
+the file name (math: gsm/svamp/math; code: code/mbpp/humaneval; summarization:
+sum/tldr/cnn/xsum; qa: qa), else `chat`.
+
+De-duplication (across and within files) keys on the user turns, lowercased with
+everything but letters and digits removed; the first occurrence is kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eyas.errors import EyasError
+
+log = logging.getLogger(__name__)
+
+SCHEMAS = ("string", "openai", "sharegpt", "mtbench", "alpaca", "selfinst", "gsm8k", "svamp", "mbpp", "prompt")
+CATEGORIES = ("code", "math", "chat", "summarization", "qa", "writing", "roleplay", "reasoning",
+              "extraction", "stem", "humanities", "explanation")
+# Record-level category names as the sources spell them -> eyas categories.
+CATEGORY_ALIASES = {"coding": "code", "creative_writing": "writing", "summarize": "summarization"}
+# File-name keywords -> default category (checked in order).
+FILE_CATEGORIES = (
+    (("gsm", "grade-school-math", "svamp", "math"), "math"),
+    (("code", "mbpp", "humaneval"), "code"),
+    (("sum", "tldr", "cnn", "xsum"), "summarization"),
+    (("qa",), "qa"),
+)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+TXT_CHUNK_CHARS = 2000
+
+
+@dataclass
+class Conversation:
+    """One prompt record: `turns` are {role, content} dicts (system/user/assistant)."""
+
+    id: str
+    source: str
+    category: str
+    turns: list[dict]
+
+    @property
+    def has_answer(self) -> bool:
+        return any(t["role"] == "assistant" and t["content"].strip() for t in self.turns)
+
+    @property
+    def user_turns(self) -> list[str]:
+        return [t["content"] for t in self.turns if t["role"] == "user"]
+
+
+@dataclass
+class FileStats:
+    """What happened to one input file."""
+
+    path: str
+    source: str
+    records: int = 0
+    kept: int = 0
+    malformed: int = 0
+    repaired: int = 0
+    no_prompt: int = 0
+    duplicates: int = 0
+    schemas: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "records": self.records, "kept": self.kept, "malformed": self.malformed,
+                "repaired": self.repaired, "no_prompt": self.no_prompt, "duplicates": self.duplicates,
+                "schemas": dict(self.schemas)}
+
+
+# ---------------------------------------------------------------- public API
+
+
+def load_prompt_files(paths: list[Path], dedup: bool = True) -> list[Conversation]:
+    """Load and de-duplicate prompt files (see the module docstring for the mapping)."""
+    return load_prompt_files_with_stats(paths, dedup=dedup)[0]
+
+
+def load_prompt_files_with_stats(paths: list[Path], dedup: bool = True) -> tuple[list[Conversation], dict[str, FileStats]]:
+    """Like `load_prompt_files`, plus per-source statistics keyed by source name."""
+    convs: list[Conversation] = []
+    stats: dict[str, FileStats] = {}
+    seen: set[str] = set()
+    for path in paths:
+        source = _unique_source(source_name(Path(path)), stats)
+        st = stats[source] = FileStats(path=str(path), source=source)
+        for conv in load_file(Path(path), source, st):
+            key = dedup_key(conv)
+            if dedup and key in seen:
+                st.duplicates += 1
+                continue
+            seen.add(key)
+            st.kept += 1
+            convs.append(conv)
+    return convs, stats
+
+
+def add_conversations(convs: list[Conversation], extra: list[Conversation], stats: dict[str, FileStats],
+                      source: str, dedup: bool = True) -> None:
+    """Append already-built conversations (the built-in set) with the same de-dup rule."""
+    seen = {dedup_key(c) for c in convs}
+    st = stats[source] = FileStats(path=source, source=source, records=len(extra))
+    st.schemas["builtin"] = len(extra)
+    for conv in extra:
+        key = dedup_key(conv)
+        if dedup and key in seen:
+            st.duplicates += 1
+            continue
+        seen.add(key)
+        st.kept += 1
+        convs.append(conv)
+
+
+def source_name(path: Path) -> str:
+    """File name without .gz / .json / .jsonl / .txt."""
+    name = path.name
+    for suffix in (".gz", ".jsonl", ".json", ".txt"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return name
+
+
+def dedup_key(conv: Conversation) -> str:
+    """User turns, lowercased, letters and digits only (SOURCES.md's normalisation)."""
+    return "\x1f".join(re.sub(r"[^0-9a-z]+", "", t.lower()) for t in conv.user_turns)
+
+
+def file_category(source: str) -> str:
+    low = source.lower()
+    for words, cat in FILE_CATEGORIES:
+        if any(w in low for w in words):
+            return cat
+    return "chat"
+
+
+# ---------------------------------------------------------------- reading files
+
+
+def _unique_source(name: str, stats: dict) -> str:
+    if name not in stats:
+        return name
+    i = 2
+    while f"{name}#{i}" in stats:
+        i += 1
+    return f"{name}#{i}"
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise EyasError(f"--input {path}: no such file; pass an existing prompt file or `builtin`")
+    try:
+        data = path.read_bytes()
+        if path.name.endswith(".gz"):
+            data = gzip.decompress(data)
+        return data.decode("utf-8-sig")
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise EyasError(f"--input {path}: cannot decompress ({e}); pass a valid .gz file") from e
+    except UnicodeDecodeError as e:
+        raise EyasError(f"--input {path}: not UTF-8 text ({e}); re-encode it as UTF-8") from e
+
+
+def load_file(path: Path, source: str, st: FileStats) -> list[Conversation]:
+    """All conversations in one file, in file order (no de-duplication)."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    if not name.endswith((".json", ".jsonl", ".txt")):
+        raise EyasError(f"--input {path}: unknown file type; use .json, .jsonl or .txt (optionally .gz)")
+    text = _read_text(path)
+    if not text.strip():
+        raise EyasError(f"--input {path}: the file is empty; pass a file with prompts")
+    if name.endswith(".txt"):
+        records = _txt_chunks(text)
+    elif text.lstrip().startswith("["):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise EyasError(f"--input {path}: corrupt JSON ({e.msg} at line {e.lineno}); fix the file "
+                            "or convert it to JSON Lines (bad lines are then skipped)") from e
+    else:
+        records = _jsonl_records(text, st)
+        if not records:
+            raise EyasError(f"--input {path}: none of its {st.malformed} lines is valid JSON; "
+                            "pass a JSON array or JSON Lines file")
+    return _to_conversations(path, source, records, st)
+
+
+def _txt_chunks(text: str) -> list[str]:
+    """Paragraphs (blank-line separated) packed into chunks of up to TXT_CHUNK_CHARS."""
+    paras = [p.strip() for p in re.split(r"\n\s*\n", text.replace("\r\n", "\n")) if p.strip()]
+    chunks, cur = [], ""
+    for p in paras:
+        if cur and len(cur) + 2 + len(p) > TXT_CHUNK_CHARS:
+            chunks.append(cur)
+            cur = ""
+        cur = f"{cur}\n\n{p}" if cur else p
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+_BAD_ESCAPE = re.compile(r'\\(?!["\\/bfnrtu])')
+
+
+def _parse_lenient(line: str):
+    """Strict JSON, else JSON with raw control characters and stray backslashes allowed."""
+    try:
+        return json.loads(line), False
+    except json.JSONDecodeError:
+        pass
+    return json.loads(_BAD_ESCAPE.sub(r"\\\\", line), strict=False), True
+
+
+def _jsonl_records(text: str, st: FileStats) -> list:
+    lines = text.splitlines()
+    records, i = [], 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        if not line:
+            continue
+        try:
+            rec, repaired = _parse_lenient(line)
+        except json.JSONDecodeError:
+            # One record split across two lines by a raw newline (InstructionWild user_3).
+            if i < len(lines):
+                try:
+                    rec, _ = _parse_lenient(line + "\n" + lines[i].strip())
+                    i += 1
+                    st.repaired += 1
+                    records.append(rec)
+                    continue
+                except json.JSONDecodeError:
+                    pass
+            st.malformed += 1
+            log.debug("%s: line %d is not valid JSON; skipped", st.path, i)
+            continue
+        st.repaired += int(repaired)
+        records.append(rec)
+    return records
+
+
+def _to_conversations(path: Path, source: str, records, st: FileStats) -> list[Conversation]:
+    if isinstance(records, dict):
+        records = [records]
+    if not isinstance(records, list):
+        raise EyasError(f"--input {path}: expected a JSON array of records; got {type(records).__name__}")
+    default_cat = file_category(source)
+    out, unknown_keys = [], Counter()
+    for i, rec in enumerate(records):
+        st.records += 1
+        parsed = parse_record(rec)
+        if parsed is None:
+            st.malformed += 1
+            unknown_keys.update(sorted(rec)[:6] if isinstance(rec, dict) else [type(rec).__name__])
+            continue
+        schema, turns = parsed
+        st.schemas[schema] += 1
+        turns = _clean_turns(turns)
+        if not any(t["role"] == "user" and t["content"].strip() for t in turns):
+            st.no_prompt += 1
+            continue
+        out.append(Conversation(id=f"{source}:{i}", source=source,
+                                category=record_category(rec, default_cat), turns=turns))
+    if not st.schemas:
+        keys = ", ".join(k for k, _ in unknown_keys.most_common(8)) or "none"
+        raise EyasError(f"--input {path}: unknown schema (keys: {keys}); supported: {', '.join(SCHEMAS)} "
+                        "(see `eyas data prepare --help`)")
+    if not out:
+        raise EyasError(f"--input {path}: no record has a user prompt; pass a file with prompts")
+    return out
+
+
+def record_category(rec, default: str) -> str:
+    if isinstance(rec, dict):
+        for key in ("subcategory", "category"):
+            val = rec.get(key)
+            if isinstance(val, str):
+                val = CATEGORY_ALIASES.get(val.strip().lower(), val.strip().lower())
+                if val in CATEGORIES:
+                    return val
+    return default
+
+
+def _s(x) -> str:
+    return x if isinstance(x, str) else ("" if x is None else str(x))
+
+
+def _join(a, b, sep: str = "\n\n") -> str:
+    a, b = _s(a).strip(), _s(b).strip()
+    return f"{a}{sep}{b}" if a and b else a or b
+
+
+def parse_record(rec) -> tuple[str, list[dict]] | None:
+    """(schema, turns) for one record, or None when no schema matches."""
+    if isinstance(rec, str):
+        return "string", [{"role": "user", "content": rec}]
+    if not isinstance(rec, dict):
+        return None
+    u = lambda c: {"role": "user", "content": _s(c)}  # noqa: E731
+    a = lambda c: {"role": "assistant", "content": _s(c)}  # noqa: E731
+    if isinstance(rec.get("messages"), list):
+        turns = [{"role": _s(m.get("role")), "content": _s(m.get("content"))}
+                 for m in rec["messages"] if isinstance(m, dict)]
+        return "openai", [t for t in turns if t["role"] in ("system", "user", "assistant")]
+    if isinstance(rec.get("conversations"), list):
+        turns = [{"role": SHAREGPT_ROLES.get(_s(m.get("from")).lower(), ""), "content": _s(m.get("value"))}
+                 for m in rec["conversations"] if isinstance(m, dict)]
+        return "sharegpt", [t for t in turns if t["role"]]
+    if isinstance(rec.get("turns"), list):
+        refs = rec.get("reference")
+        refs = refs if isinstance(refs, list) and len(refs) == len(rec["turns"]) else None
+        turns = []
+        for i, t in enumerate(rec["turns"]):
+            turns.append(u(t))
+            if refs:
+                turns.append(a(refs[i]))
+        return "mtbench", turns
+    if "instruction" in rec:
+        inst = rec.get("instances")
+        if isinstance(inst, list) and inst and isinstance(inst[0], dict):
+            return "selfinst", [u(_join(rec["instruction"], inst[0].get("input"))), a(inst[0].get("output"))]
+        answer = rec.get("output", rec.get("response"))
+        return "alpaca", [u(_join(rec["instruction"], rec.get("input")))] + ([a(answer)] if answer else [])
+    if "question" in rec:
+        return "gsm8k", [u(rec["question"])] + ([a(rec["answer"])] if rec.get("answer") else [])
+    if "Body" in rec and "Question" in rec:
+        return "svamp", [u(_join(rec["Body"], rec["Question"], " "))]
+    if "text" in rec:
+        tests = rec.get("test_list")
+        prompt = _s(rec["text"])
+        if isinstance(tests, list) and tests:
+            prompt = prompt.strip() + "\nYour code should pass these tests:\n\n" + "\n".join(map(_s, tests))
+        return "mbpp", [u(prompt)] + ([a(rec["code"])] if rec.get("code") else [])
+    if "prompt" in rec:
+        answer = rec.get("completion", rec.get("response"))
+        return "prompt", [u(rec["prompt"])] + ([a(answer)] if answer else [])
+    return None
+
+
+def _clean_turns(turns: list[dict]) -> list[dict]:
+    """Normalise newlines; drop empty turns and assistant turns that answer nothing."""
+    out: list[dict] = []
+    for t in turns:
+        content = t["content"].replace("\r\n", "\n")
+        if not content.strip():
+            continue
+        if t["role"] == "assistant" and not any(x["role"] == "user" for x in out):
+            continue
+        if t["role"] == "system" and out:
+            continue  # a system turn is meaningful only first
+        out.append({"role": t["role"], "content": content})
+    return out

@@ -1,0 +1,232 @@
+"""Regeneration: the target writes the assistant turns itself (EAGLE-3 trains the drafter
+on the target's own distribution, not on the dataset's answers).
+
+Batched `generate()` with KV cache and left padding; greedy unless a temperature is
+given. Multi-turn conversations are answered turn by turn, each turn seeing the target's
+earlier answers. Resumable: every finished batch is appended (and fsynced) to
+`<work_dir>/batches.jsonl`; a rerun with the same target, prompts and settings reuses
+them and generates the rest. Each batch seeds its own sampler, so a resumed run writes
+exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from eyas.formats.prompts import Conversation
+
+log = logging.getLogger(__name__)
+WORK_VERSION = 1
+
+
+@dataclass(frozen=True)
+class GenSettings:
+    """Generation settings; all of them (and the prompts) key the resumable work file."""
+
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class GenStats:
+    new_tokens: int = 0
+    seconds: float = 0.0
+    batches_done: int = 0
+    batches_reused: int = 0
+    cut_turns: int = 0  # later turns left out because prompt + answer would not fit the context
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def prompt_turns(conv: Conversation) -> list[dict]:
+    """The conversation without its assistant turns (the target writes those)."""
+    return [t for t in conv.turns if t["role"] != "assistant"]
+
+
+def work_key(fingerprint: str, settings: GenSettings, convs: list[Conversation]) -> str:
+    h = hashlib.sha256(json.dumps([WORK_VERSION, fingerprint, asdict(settings)]).encode())
+    for c in convs:
+        h.update(json.dumps([c.id, prompt_turns(c)], ensure_ascii=False).encode())
+    return h.hexdigest()
+
+
+class WorkFile:
+    """Finished batches, one JSON line each, appended and fsynced; stale or torn lines dropped."""
+
+    def __init__(self, work_dir: Path, key: str):
+        self.dir = Path(work_dir)
+        self.path = self.dir / "batches.jsonl"
+        state = self.dir / "state.json"
+        if self.dir.exists():
+            try:
+                same = json.loads(state.read_text()).get("key") == key
+            except (OSError, json.JSONDecodeError):
+                same = False
+            if not same:
+                log.warning("%s holds work for other prompts or settings; starting over", self.dir)
+                shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not state.is_file():
+            state.write_text(json.dumps({"key": key}) + "\n")
+        self.done: dict[int, dict] = {}
+        good = []
+        if self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # torn last line of a killed run
+                self.done[rec["batch"]] = rec
+                good.append(line)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(g + "\n" for g in good), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+    def append(self, rec: dict) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[rec["batch"]] = rec
+
+
+def _max_positions(model) -> int:
+    cfg = getattr(model, "config", None)
+    get = getattr(cfg, "get_text_config", None)
+    cfg = get() if get else cfg
+    return int(getattr(cfg, "max_position_embeddings", 1 << 30) or 1 << 30)
+
+
+def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenSettings,
+                   stop_ids: list[int]) -> tuple[list[str], int]:
+    """One generation step for a batch of conversations ending in a user turn.
+
+    Returns the decoded answers (up to the first stop token) and the number of new tokens.
+    """
+    from transformers import GenerationConfig
+
+    texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    sample = settings.temperature > 0
+    cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, do_sample=sample,
+                           temperature=settings.temperature if sample else None,
+                           top_k=0 if sample else None, top_p=1.0 if sample else None,
+                           eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        out = model.generate(**enc, generation_config=cfg)  # (B, T_prompt + new)
+    new = out[:, enc["input_ids"].shape[1]:].tolist()
+    answers, n_tokens = [], 0
+    for row in new:
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        n_tokens += min(cut + 1, len(row))
+        answers.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    return answers, n_tokens
+
+
+def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSettings, stop_ids: list[int],
+               limit: int, stats: GenStats) -> list[list[str]]:
+    """Answer every user turn of a batch of conversations, turn by turn."""
+    histories: list[list[dict]] = [[] for _ in convs]
+    pending = [prompt_turns(c) for c in convs]
+    answers: list[list[str]] = [[] for _ in convs]
+    while True:
+        active = []
+        for i, turns in enumerate(pending):
+            while turns and turns[0]["role"] != "user":
+                histories[i].append(turns.pop(0))
+            if turns:
+                histories[i].append(turns.pop(0))
+                active.append(i)
+        if not active:
+            return answers
+        fits = []
+        for i in active:
+            if _too_long(tokenizer, histories[i], settings.max_new_tokens, limit):
+                stats.cut_turns += 1  # keep the turns answered so far
+                histories[i].pop()
+                pending[i] = []
+            else:
+                fits.append(i)
+        if not fits:
+            return answers
+        texts, n = generate_batch(model, tokenizer, [histories[i] for i in fits], settings, stop_ids)
+        stats.new_tokens += n
+        for i, text in zip(fits, texts):
+            answers[i].append(text)
+            histories[i].append({"role": "assistant", "content": text})
+
+
+def _too_long(tokenizer, history: list[dict], max_new_tokens: int, limit: int) -> bool:
+    """Whether prompt + answer would exceed the target's positions (characters bound tokens
+    from above for the tokenizers we know, so the cheap test comes first)."""
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    if len(text) + max_new_tokens <= limit:
+        return False
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + max_new_tokens > limit
+
+
+def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSettings, work_dir: Path,
+               fingerprint: str, stop_ids: list[int], progress: bool = True) -> tuple[list[Conversation], GenStats]:
+    """Conversations whose assistant turns the target wrote, in input order, and stats."""
+    from tqdm.auto import tqdm
+
+    work = WorkFile(work_dir, work_key(fingerprint, settings, convs))
+    stats = GenStats()
+    limit = _max_positions(model)
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"  # generation appends on the right: pad on the left
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    B = settings.batch_size
+    n_batches = (len(convs) + B - 1) // B
+    bar = tqdm(total=n_batches, desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
+    try:
+        for b in range(n_batches):
+            batch = convs[b * B:(b + 1) * B]
+            if b in work.done and work.done[b]["ids"] == [c.id for c in batch]:
+                stats.batches_reused += 1
+                bar.update(1)
+                continue
+            torch.manual_seed(settings.seed * 1_000_003 + b)  # per batch: resume == uninterrupted
+            t0 = time.perf_counter()
+            answers = _run_batch(model, tokenizer, batch, settings, stop_ids, limit, stats)
+            stats.seconds += time.perf_counter() - t0
+            stats.batches_done += 1
+            work.append({"batch": b, "ids": [c.id for c in batch], "answers": answers})
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
+            bar.update(1)
+    finally:
+        bar.close()
+        tokenizer.padding_side = old_side
+    out = []
+    for b in range(n_batches):
+        for conv, ans in zip(convs[b * B:(b + 1) * B], work.done[b]["answers"]):
+            out.append(_with_answers(conv, ans))
+    return out, stats
+
+
+def _with_answers(conv: Conversation, answers: list[str]) -> Conversation:
+    """Interleave the target's answers after the user turns they answer (unanswered turns dropped)."""
+    turns, k = [], 0
+    for t in prompt_turns(conv):
+        if t["role"] == "user":
+            if k >= len(answers):
+                break
+            turns += [t, {"role": "assistant", "content": answers[k]}]
+            k += 1
+        else:
+            turns.append(t)
+    return Conversation(id=conv.id, source=conv.source, category=conv.category, turns=turns)

@@ -1,0 +1,308 @@
+"""`eyas data prepare`: prompt files -> tokenized conversations with assistant-only loss
+masks (optionally with answers written by the target), split into train/eval.
+
+Orchestration only: file loading lives in `eyas.formats.prompts`, rendering and the
+on-disk format in `eyas.formats.data`, generation in `eyas.regenerate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from eyas import targets
+from eyas.errors import EyasError
+from eyas.formats import data as fdata
+from eyas.formats import prompts as fprompts
+from eyas.formats.prompts import Conversation
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance
+
+log = logging.getLogger(__name__)
+
+EPILOG = """\
+input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each optionally .gz):
+  schema    detected by                      user turn(s)                          answer (assistant)
+  string    bare JSON string / .txt chunk    the string                            -
+  openai    messages [{role, content}]       user messages (system kept)           assistant messages
+  sharegpt  conversations [{from, value}]    from human/user (system kept)         from gpt/assistant/chatgpt
+  mtbench   turns [str, ...]                 each turn, in order                   reference (one per turn)
+  alpaca    instruction (+ input)            instruction + blank line + input      output or response
+  selfinst  instruction + instances          instruction + instances[0].input      instances[0].output
+  gsm8k     question                         question                              answer
+  svamp     Body + Question                  Body + " " + Question                 - (Answer is a number)
+  mbpp      text (+ test_list)               text + "Your code should pass..."     code
+  prompt    prompt (HumanEval, arena-hard)   prompt                                completion or response
+  builtin   --input builtin                  ~1,150 generated prompts (code, math, explanation, writing, qa,
+                                             two-turn chat); prompt-only, use with --regenerate
+
+Records without an answer are dropped unless --regenerate (then the target writes every
+assistant turn, turn by turn). Duplicates (lowercased letters+digits of the user turns) are
+dropped across files; malformed JSONL lines are skipped and counted. Category per record:
+the record's category/subcategory when it names a known one, else from the file name
+(math, code, summarization, qa), else chat. The loss mask covers assistant content and its
+end-of-turn token only. --regenerate work is kept in OUT.partial/ and reused by a rerun of
+the same command after an interruption.
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("data", help="prepare training data", description="Prepare training data.")
+    dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    q = dsub.add_parser("prepare", help="prompts/chats -> tokenized samples with loss masks",
+                        description="Render prompt files with the target's chat template into tokenized "
+                        "samples with assistant-only loss masks; optionally let the target write the "
+                        "answers (--regenerate).", epilog=EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory "
+                   "(default %(default)s)")
+    q.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                   help="prompt files (.json/.jsonl/.txt, optionally .gz) or `builtin`")
+    q.add_argument("--out", required=True, type=Path, help="output directory")
+    q.add_argument("--max-len", type=int, default=2048, help="truncate samples to N tokens (default 2048)")
+    q.add_argument("--limit", type=int, default=None, help="keep the first N conversations after de-dup")
+    q.add_argument("--eval-fraction", type=float, default=0.05, help="share of ids hashed into eval (default 0.05)")
+    q.add_argument("--regenerate", action="store_true", help="let the target write all assistant turns")
+    q.add_argument("--max-new-tokens", type=int, default=None, help="per answer, with --regenerate (default 256)")
+    q.add_argument("--batch-size", type=int, default=None, help="prompts per batch, with --regenerate (default 8)")
+    q.add_argument("--temperature", type=float, default=None, help="0 = greedy (default), with --regenerate")
+    q.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    q.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
+    q.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    q.add_argument("--force", action="store_true", help="replace an existing --out")
+    add_json_flag(q)
+    q.set_defaults(func=run_prepare)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_args(args) -> None:
+    if args.max_len <= 0:
+        raise EyasError(f"--max-len {args.max_len}: must be a positive number of tokens, e.g. 2048")
+    if args.limit is not None and args.limit <= 0:
+        raise EyasError(f"--limit {args.limit}: must be positive; leave it out to keep everything")
+    if not 0 <= args.eval_fraction < 1:
+        raise EyasError(f"--eval-fraction {args.eval_fraction}: must lie in [0, 1), e.g. 0.05")
+    gen_flags = {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size,
+                 "--temperature": args.temperature}
+    if not args.regenerate:
+        given = [k for k, v in gen_flags.items() if v is not None]
+        if given:
+            raise EyasError(f"{given[0]} only applies to --regenerate; add --regenerate or drop {given[0]}")
+    args.max_new_tokens = 256 if args.max_new_tokens is None else args.max_new_tokens
+    args.batch_size = 8 if args.batch_size is None else args.batch_size
+    args.temperature = 0.0 if args.temperature is None else args.temperature
+    if args.max_new_tokens <= 0:
+        raise EyasError(f"--max-new-tokens {args.max_new_tokens}: must be positive, e.g. 256")
+    if args.batch_size <= 0:
+        raise EyasError(f"--batch-size {args.batch_size}: must be positive, e.g. 8")
+    if not args.temperature >= 0:
+        raise EyasError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    targets.parse_dtype(args.dtype)
+    targets.parse_device(args.device)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.force)):
+        raise EyasError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (ValueError, OSError, KeyError) as e:
+        raise EyasError(f"--target {path}: cannot load its tokenizer ({str(e).splitlines()[0]}); "
+                        "save the tokenizer beside the model") from e
+    _check_template(tok, path)
+    return tok
+
+
+def _check_template(tok, path: Path) -> None:
+    if not getattr(tok, "chat_template", None):
+        raise EyasError(f"--target {path}: the tokenizer has no chat template; use an instruct/chat model or "
+                        "add `chat_template` to its tokenizer_config.json (or chat_template.jinja)")
+
+
+# ---------------------------------------------------------------- stages
+
+
+def _load_inputs(inputs: list[str]) -> tuple[list[Conversation], dict]:
+    from eyas.builtin_prompts import SOURCE, builtin_prompts
+
+    files = [Path(x) for x in inputs if x != "builtin"]
+    convs, stats = fprompts.load_prompt_files_with_stats(files)
+    if "builtin" in inputs:
+        fprompts.add_conversations(convs, builtin_prompts(), stats, SOURCE)
+    if not convs:
+        raise EyasError(f"--input {' '.join(inputs)}: no prompts found; pass files with prompts or `builtin`")
+    return convs, stats
+
+
+def _trim(conv: Conversation) -> Conversation | None:
+    """Drop trailing turns after the last answer; None when nothing is answered."""
+    last = max((i for i, t in enumerate(conv.turns) if t["role"] == "assistant"), default=-1)
+    if last < 0:
+        return None
+    return Conversation(conv.id, conv.source, conv.category, conv.turns[: last + 1])
+
+
+def _prompt_len(tok, conv: Conversation) -> int:
+    first = []
+    for t in conv.turns:
+        first.append(t)
+        if t["role"] == "user":
+            break
+    text = tok.apply_chat_template([t for t in first if t["role"] != "assistant"], tokenize=False,
+                                   add_generation_prompt=True)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _regenerate(args, path: Path, convs: list[Conversation], drops: Counter) -> tuple[list[Conversation], dict]:
+    from eyas.regenerate import GenSettings, _max_positions, regenerate
+
+    model, tok = targets.load(path, dtype=args.dtype, device=args.device)
+    _check_template(tok, path)
+    room = min(args.max_len, _max_positions(model) - args.max_new_tokens)
+    keep = []
+    for c in convs:
+        if _prompt_len(tok, c) >= room:
+            drops["too_long"] += 1
+        else:
+            keep.append(c)
+    if not keep:
+        raise EyasError(f"--max-len {args.max_len}: every prompt is longer than the room left for an answer; "
+                        "raise --max-len or lower --max-new-tokens")
+    settings = GenSettings(args.max_new_tokens, args.batch_size, args.temperature, args.seed)
+    stop = fdata.end_of_turn_ids(tok)
+    out, st = regenerate(model, tok, keep, settings, _work_dir(args.out), targets.fingerprint(path), stop,
+                         progress=os.environ.get("EYAS_NO_PROGRESS") != "1")
+    info = {"max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+            "temperature": args.temperature, "seed": args.seed, "dtype": args.dtype, "device": args.device,
+            "new_tokens": st.new_tokens, "seconds": round(st.seconds, 2),
+            "tokens_per_s": round(st.tokens_per_s, 2), "batches_generated": st.batches_done,
+            "batches_reused": st.batches_reused, "turns_cut_for_context": st.cut_turns}
+    return out, info
+
+
+def _work_dir(out: Path) -> Path:
+    out = Path(out)
+    return out.with_name(out.name + ".partial")
+
+
+def _render(tok, convs: list[Conversation], max_len: int, drops: Counter) -> list[fdata.Sample]:
+    from jinja2 import TemplateError
+
+    samples = []
+    for c in convs:
+        try:
+            ids, mask = fdata.render_masked(tok, c.turns)
+        except fdata.TemplateMismatch as e:
+            log.debug("%s: %s", c.id, e)
+            drops["template_mismatch"] += 1
+            continue
+        except TemplateError as e:  # e.g. a template that insists on alternating roles
+            log.debug("%s: %s", c.id, e)
+            drops["template_error"] += 1
+            continue
+        ids, mask = ids[:max_len], mask[:max_len]
+        if not any(mask):
+            drops["truncated_away"] += 1
+            continue
+        samples.append(fdata.Sample(c.id, c.source, c.category, c.turns, ids, mask))
+    return samples
+
+
+def run_prepare(args) -> int:
+    _check_args(args)
+    path = targets.resolve(args.target)
+    tok = _load_tokenizer(path)
+    convs, stats = _load_inputs(args.input)
+    n_loaded = len(convs)
+    if args.limit is not None:
+        convs = convs[: args.limit]
+    drops: Counter = Counter()
+    gen_info = None
+    if args.regenerate:
+        convs, gen_info = _regenerate(args, path, convs, drops)
+    trimmed = []
+    for c in convs:
+        t = _trim(c)
+        if t is None:
+            drops["no_answer"] += 1
+        else:
+            trimmed.append(t)
+    samples = _render(tok, trimmed, args.max_len, drops)
+    if not samples:
+        hint = ("they have no assistant answers; pass --regenerate to let the target write them"
+                if drops["no_answer"] else "see the dropped counts with --json")
+        raise EyasError(f"--input {' '.join(args.input)}: no trainable samples ({dict(drops)}); {hint}")
+    splits: dict[str, list] = {"train": [], "eval": []}
+    for s in samples:
+        splits[fdata.split_of(s.id, args.eval_fraction)].append(s)
+    summary = _summary(args, path, stats, n_loaded, splits, drops, gen_info)
+    manifest = _manifest(args, path, tok, stats, splits, summary, gen_info)
+    with atomic_dir(args.out, force=args.force) as tmp:
+        fdata.write_prepared(tmp, manifest, splits)
+    shutil.rmtree(_work_dir(args.out), ignore_errors=True)
+    emit(args, summary, _human(summary))
+    return 0
+
+
+def _summary(args, path, stats, n_loaded, splits, drops, gen_info) -> dict:
+    per_source: dict[str, dict] = {name: st.as_dict() for name, st in stats.items()}
+    per_cat: dict[str, int] = defaultdict(int)
+    for split in splits.values():
+        for s in split:
+            per_source[s.source]["samples"] = per_source[s.source].get("samples", 0) + 1
+            per_cat[s.category] += 1
+    everything = splits["train"] + splits["eval"]
+    return {
+        "out": str(args.out), "target": str(path), "regenerated": args.regenerate,
+        "prompts_loaded": n_loaded, "limit": args.limit,
+        "counts": {"train": len(splits["train"]), "eval": len(splits["eval"])},
+        "categories": dict(sorted(per_cat.items())),
+        "malformed": sum(st.malformed for st in stats.values()),
+        "repaired_lines": sum(st.repaired for st in stats.values()),
+        "dropped": {"duplicates": sum(st.duplicates for st in stats.values()),
+                    "no_prompt": sum(st.no_prompt for st in stats.values()), **dict(drops)},
+        "tokens": sum(len(s.input_ids) for s in everything),
+        "supervised_tokens": sum(s.supervised for s in everything),
+        "sources": per_source, "regeneration": gen_info,
+    }
+
+
+def _manifest(args, path, tok, stats, splits, summary, gen_info) -> dict:
+    return {
+        "target": str(path), "target_fingerprint": targets.fingerprint(path),
+        "tokenizer_fingerprint": targets.tokenizer_fingerprint(tok),
+        "chat_template_sha256": fdata.chat_template_sha256(tok), "max_len": args.max_len,
+        "regenerated": bool(args.regenerate), "eval_fraction": args.eval_fraction,
+        "counts": {**summary["counts"], "tokens": summary["tokens"],
+                   "supervised_tokens": summary["supervised_tokens"]},
+        "categories": summary["categories"],
+        "sources": [{"name": name, **st.as_dict(), "samples": summary["sources"][name].get("samples", 0)}
+                    for name, st in stats.items()],
+        "dropped": summary["dropped"], "generation": gen_info, "provenance": provenance(args),
+    }
+
+
+def _human(s: dict) -> str:
+    lines = [f"wrote {s['out']}: {s['counts']['train']} train + {s['counts']['eval']} eval samples, "
+             f"{s['tokens']} tokens ({s['supervised_tokens']} supervised)"]
+    dropped = {k: v for k, v in s["dropped"].items() if v}
+    if dropped:
+        lines.append("dropped: " + ", ".join(f"{k} {v}" for k, v in dropped.items()))
+        if dropped.get("no_answer"):
+            lines.append("  (no_answer: prompt-only records; pass --regenerate to let the target answer them)")
+    if s["malformed"]:
+        lines.append(f"malformed records skipped: {s['malformed']}")
+    if s["regeneration"]:
+        g = s["regeneration"]
+        lines.append(f"regenerated: {g['new_tokens']} new tokens in {g['seconds']} s ({g['tokens_per_s']} tok/s, "
+                     f"batch {g['batch_size']}), {g['batches_reused']} batches reused")
+    lines.append("per category: " + ", ".join(f"{k} {v}" for k, v in s["categories"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,349 @@
+"""`eyas data prepare`: loss masks, the prepared format, regeneration + resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import PROMPTS
+
+from eyas.errors import EyasError
+from eyas.formats.data import end_of_turn_ids, read_manifest, read_samples, render_masked, split_of
+
+CONV = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is two plus three?"},
+    {"role": "assistant", "content": "The answer is 5.\nBecause two plus three equals five."},
+    {"role": "user", "content": "And times?"},
+    {"role": "assistant", "content": " six, with a leading space"},
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models decode far faster on one thread, above all on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _masked_text(tok, ids, mask):
+    return tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
+
+
+def _expected(tok, messages):
+    eot = tok.convert_ids_to_tokens(end_of_turn_ids(tok)[0])
+    return "".join(m["content"] + eot for m in messages if m["role"] == "assistant")
+
+
+def _check_mask(tok, messages):
+    ids, mask = render_masked(tok, messages)
+    assert len(ids) == len(mask)
+    assert _masked_text(tok, ids, mask) == _expected(tok, messages)
+    full = tok.apply_chat_template(messages, tokenize=True)
+    full = full if isinstance(full, list) else full["input_ids"]
+    assert ids == full  # piecewise tokenization equals the template's own here
+    return ids, mask
+
+
+@pytest.mark.parametrize("messages", [CONV, CONV[1:], CONV[1:3]])
+def test_mask_is_assistant_text_tiny(tiny_tokenizer, messages):
+    _check_mask(tiny_tokenizer, messages)
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(builtin_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(builtin_target)
+
+
+@pytest.mark.parametrize("messages", [CONV, CONV[1:], CONV[1:3]])
+def test_mask_is_assistant_text_smollm2(real_tokenizer, messages):
+    ids, mask = _check_mask(real_tokenizer, messages)
+    if messages[0]["role"] != "system":  # SmolLM2's template injects its default system prompt
+        text = real_tokenizer.decode(ids)
+        assert "You are a helpful AI assistant named SmolLM" in text
+        assert "SmolLM" not in _masked_text(real_tokenizer, ids, mask)
+
+
+def test_split_is_deterministic():
+    ids = [f"src:{i}" for i in range(2000)]
+    ev = [i for i in ids if split_of(i, 0.1) == "eval"]
+    assert ev == [i for i in ids if split_of(i, 0.1) == "eval"]
+    assert 140 < len(ev) < 260
+    assert all(split_of(i, 0.0) == "train" for i in ids)
+
+
+# ---------------------------------------------------------------- whole command, tiny target
+
+
+@pytest.fixture
+def cli(eyas_cli, capsys):
+    """`eyas_cli`, plus argparse's own usage errors (SystemExit 2) as (code, out, err)."""
+
+    def run(*argv):
+        try:
+            return eyas_cli(*argv)
+        except SystemExit as e:
+            out = capsys.readouterr()
+            return e.code, out.out, out.err
+
+    return run
+
+
+@pytest.fixture
+def qa_file(tmp_path):
+    f = tmp_path / "gsm_small.jsonl"
+    recs = [{"question": f"Tom has {i} apples and buys {i + 2}. How many?", "answer": f"He has {2 * i + 2}.\n#### {2 * i + 2}"}
+            for i in range(30)]
+    recs.append({"question": "A question without an answer?"})  # no answer
+    recs.append({"question": "tom has 1 apples and buys 3 how many", "answer": "dup"})  # duplicate
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return f
+
+
+def test_prepare_tiny(tiny_target, qa_file, tmp_path, eyas_cli, tiny_tokenizer):
+    out = tmp_path / "prep"
+    code, stdout, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", out,
+                                 "--eval-fraction", "0.2", "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    m = read_manifest(out)
+    assert m["format"] == "eyas.prepared" and m["version"] == 1 and not m["regenerated"]
+    train, ev = read_samples(out, "train"), read_samples(out, "eval")
+    assert len(train) + len(ev) == 30 == summary["counts"]["train"] + summary["counts"]["eval"]
+    assert len(ev) > 0 and all(split_of(s.id, 0.2) == "eval" for s in ev)
+    assert summary["dropped"]["duplicates"] == 1 and summary["dropped"]["no_answer"] == 1
+    assert summary["sources"]["gsm_small"]["samples"] == 30
+    assert summary["supervised_tokens"] == sum(sum(s.loss_mask) for s in train + ev)
+    for s in train + ev:
+        assert s.category == "math" and s.messages[-1]["role"] == "assistant"
+        assert _masked_text(tiny_tokenizer, s.input_ids, s.loss_mask) == _expected(tiny_tokenizer, s.messages)
+    assert set(m) >= {"target_fingerprint", "tokenizer_fingerprint", "chat_template_sha256", "sources", "provenance"}
+    assert sorted(p.name for p in out.iterdir()) == ["eval.jsonl", "manifest.json", "train.jsonl"]
+    assert not list(tmp_path.glob(".prep*")) and not (tmp_path / "prep.partial").exists()
+
+
+def test_limit_and_max_len(tiny_target, qa_file, tmp_path, eyas_cli):
+    out = tmp_path / "p"
+    code, stdout, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", out,
+                                 "--limit", "5", "--max-len", "70", "--eval-fraction", "0", "--json")
+    assert code == 0, err
+    train = read_samples(out, "train")
+    assert [s.id for s in train] == [f"gsm_small:{i}" for i in range(5)]
+    assert max(len(s.input_ids) for s in train) == 70 and all(sum(s.loss_mask) for s in train)
+    code, _, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", out,
+                            "--max-len", "3", "--force")
+    assert code == 2 and "no trainable samples" in err  # every answer truncated away
+    assert len(read_samples(out, "train")) == 5  # the earlier output is untouched
+
+
+def _regen(eyas_cli, target, inputs, out, *extra):
+    return eyas_cli("data", "prepare", "--target", target, "--input", *inputs, "--out", out, "--regenerate",
+                    "--max-new-tokens", "8", "--batch-size", "3", "--eval-fraction", "0.25", *extra)
+
+
+def test_regenerate_resume_is_byte_identical(tiny_target, tmp_path, eyas_cli, monkeypatch, tiny_tokenizer):
+    import eyas.regenerate as regen
+
+    mt = PROMPTS / "FastChat__mt_bench__question.jsonl"
+    inputs = [str(mt), "builtin"]
+    ref = tmp_path / "ref"
+    code, _, err = _regen(eyas_cli, tiny_target, inputs, ref, "--limit", "10", "--temperature", "0.8")
+    assert code == 0, err
+
+    calls = {"n": 0}
+    real = regen._run_batch
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # killed during the second batch
+        return real(*a, **k)
+
+    monkeypatch.setattr(regen, "_run_batch", flaky)
+    out = tmp_path / "run"
+    code, _, err = _regen(eyas_cli, tiny_target, inputs, out, "--limit", "10", "--temperature", "0.8")
+    assert code == 130 and not out.exists()
+    work = tmp_path / "run.partial" / "batches.jsonl"
+    assert len(work.read_text().splitlines()) == 1
+    monkeypatch.setattr(regen, "_run_batch", real)
+    code, stdout, err = _regen(eyas_cli, tiny_target, inputs, out, "--limit", "10", "--temperature", "0.8", "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["regeneration"]["batches_reused"] == 1
+    for name in ("train.jsonl", "eval.jsonl"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes()
+    assert not (tmp_path / "run.partial").exists()
+
+    samples = read_samples(out, "train") + read_samples(out, "eval")
+    assert read_manifest(out)["regenerated"] is True and len(samples) == 10
+    for s in samples:
+        assert _masked_text(tiny_tokenizer, s.input_ids, s.loss_mask) == _expected(tiny_tokenizer, s.messages)
+    two_turn = [s for s in samples if s.source.startswith("FastChat")]
+    assert two_turn and all([m["role"] for m in s.messages] == ["user", "assistant"] * 2 for s in two_turn)
+
+
+def test_regenerate_greedy_is_deterministic_and_stale_work_ignored(tiny_target, tmp_path, eyas_cli):
+    inputs = ["builtin"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    (tmp_path / "b.partial").mkdir()
+    (tmp_path / "b.partial" / "state.json").write_text('{"key": "other settings"}')
+    (tmp_path / "b.partial" / "batches.jsonl").write_text('{"batch": 0, "ids": [], "answers": []}\n')
+    assert _regen(eyas_cli, tiny_target, inputs, a, "--limit", "4")[0] == 0
+    assert _regen(eyas_cli, tiny_target, inputs, b, "--limit", "4")[0] == 0
+    assert (a / "train.jsonl").read_bytes() == (b / "train.jsonl").read_bytes()
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def no_template_target(tiny_target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("notemplate") / "t"
+    shutil.copytree(tiny_target, d)
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+BAD = [
+    (["--max-len", "0"], "--max-len"),
+    (["--max-len", "-5"], "--max-len"),
+    (["--eval-fraction", "1"], "--eval-fraction"),
+    (["--eval-fraction", "-0.1"], "--eval-fraction"),
+    (["--limit", "0"], "--limit"),
+    (["--max-new-tokens", "8"], "--max-new-tokens only applies to --regenerate"),
+    (["--batch-size", "2"], "--batch-size only applies"),
+    (["--temperature", "0.5"], "--temperature only applies"),
+    (["--regenerate", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--regenerate", "--batch-size", "0"], "--batch-size"),
+    (["--regenerate", "--temperature", "-1"], "--temperature"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--device", "tpu:x"], "--device"),
+    (["--max-len", "abc"], "--max-len"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD)
+def test_bad_flags(tiny_target, qa_file, tmp_path, cli, extra, needle):
+    out = tmp_path / "o"
+    code, stdout, err = cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", out, *extra)
+    assert code == 2 and needle in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def _bad_input(tmp_path, name, text):
+    f = tmp_path / name
+    f.write_text(text)
+    return f
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("missing.jsonl", None, "no such file"),
+    ("unknown.jsonl", '{"foo": 1}\n', "unknown schema"),
+    ("empty.jsonl", "", "empty"),
+    ("corrupt.json", '[{"prompt": "x"', "corrupt JSON"),
+    ("prompts_only.jsonl", '"just a prompt"\n', "--regenerate"),
+    ("table.csv", "a,b\n", "unknown file type"),
+])
+def test_bad_inputs(tiny_target, tmp_path, eyas_cli, name, text, needle):
+    f = tmp_path / name if text is None else _bad_input(tmp_path, name, text)
+    out = tmp_path / "o"
+    code, _, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", f, "--out", out)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_bad_target_and_out(tiny_target, no_template_target, qa_file, tmp_path, cli):
+    out = tmp_path / "o"
+    for target, needle in [(no_template_target, "no chat template"), (tmp_path / "nope", "no such directory")]:
+        code, _, err = cli("data", "prepare", "--target", target, "--input", qa_file, "--out", out)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+        assert not out.exists()
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    code, _, err = cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", out)
+    assert code == 2 and "--force" in err and (out / "keep.txt").exists()
+    code, _, err = cli("data", "prepare", "--target", tiny_target, "--input", "--out", out)
+    assert code == 2
+
+
+def test_read_corrupt_prepared(tiny_target, qa_file, tmp_path, eyas_cli):
+    out = tmp_path / "p"
+    assert eyas_cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", out)[0] == 0
+    lines = (out / "train.jsonl").read_text().splitlines()
+    (out / "train.jsonl").write_text("\n".join(lines[:-1]) + "\n")
+    with pytest.raises(EyasError, match="manifest.json says"):
+        read_samples(out)
+    (out / "train.jsonl").write_text(lines[0][:-10] + "\n")
+    with pytest.raises(EyasError, match="line 1"):
+        read_samples(out)
+    m = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**m, "version": 99}))
+    with pytest.raises(EyasError, match="version"):
+        read_manifest(out)
+    (out / "manifest.json").write_text("{")
+    with pytest.raises(EyasError, match="corrupt JSON"):
+        read_manifest(out)
+    with pytest.raises(EyasError, match="missing"):
+        read_manifest(tmp_path)
+
+
+# ---------------------------------------------------------------- the real target
+
+
+@pytest.mark.slow
+def test_regenerate_gsm8k_on_smollm2(builtin_target, real_tokenizer, tmp_path, eyas_cli):
+    out = tmp_path / "gsm"
+    code, stdout, err = eyas_cli("data", "prepare", "--target", builtin_target, "--input",
+                                 PROMPTS / "grade-school-math__train.jsonl", "--out", out, "--limit", "20",
+                                 "--regenerate", "--max-new-tokens", "32", "--batch-size", "20", "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    m = read_manifest(out)
+    assert m["regenerated"] and m["counts"]["train"] + m["counts"]["eval"] == 20
+    assert m["tokenizer_fingerprint"] and m["chat_template_sha256"]
+    samples = read_samples(out, "train") + read_samples(out, "eval")
+    gen = summary["regeneration"]
+    assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0
+    raw = [json.loads(l)["answer"] for l in (PROMPTS / "grade-school-math__train.jsonl").open().readlines()[:20]]
+    for s in samples:
+        assert s.category == "math" and [m["role"] for m in s.messages] == ["user", "assistant"]
+        assert s.messages[1]["content"] not in raw  # the target's own answer, not the dataset's
+        assert _masked_text(real_tokenizer, s.input_ids, s.loss_mask) == _expected(real_tokenizer, s.messages)
+        assert 0 < sum(s.loss_mask) <= 33
+
+
+def test_workfile_drops_torn_line(tmp_path):
+    from eyas.regenerate import WorkFile
+
+    wf = WorkFile(tmp_path / "w", "k1")
+    wf.append({"batch": 0, "ids": ["a"], "answers": [["x"]]})
+    with open(wf.path, "a") as f:
+        f.write('{"batch": 1, "ids": ["b"], "ans')  # killed mid-write
+    again = WorkFile(tmp_path / "w", "k1")
+    assert list(again.done) == [0]
+    again.append({"batch": 1, "ids": ["b"], "answers": [["y"]]})
+    assert [json.loads(l)["batch"] for l in again.path.read_text().splitlines()] == [0, 1]
+    assert WorkFile(tmp_path / "w", "other-key").done == {}  # other settings: start over
+
+
+def test_template_error_is_counted(tiny_target, tmp_path, eyas_cli):
+    d = tmp_path / "strict"
+    shutil.copytree(tiny_target, d)
+    tmpl = (d / "chat_template.jinja").read_text()
+    (d / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}" + tmpl)
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (CONV, CONV[1:3])))
+    code, stdout, err = eyas_cli("data", "prepare", "--target", d, "--input", f, "--out", tmp_path / "o", "--json")
+    assert code == 0, err
+    s = json.loads(stdout)
+    assert s["dropped"]["template_error"] == 1 and s["counts"]["train"] + s["counts"]["eval"] == 1
