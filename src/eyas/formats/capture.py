@@ -1,0 +1,347 @@
+"""Captured hidden states (DESIGN 7): safetensors shards + `manifest.json`, their writer
+primitives and `CaptureReader`; also the speculators offline layout and the minimal view
+of prepared data that capture and vocab need.
+
+A shard `shard-KKKKK.safetensors` holds the samples of one contiguous run of sample
+indices, concatenated along tokens: `aux` [sum T, n_aux*H], `last` [sum T, H] (output of
+the target's final norm: target logits = lm_head(last)), `input_ids` int32 [sum T],
+`loss_mask` uint8 [sum T]. The manifest gives each sample's (shard, offset, length,
+split) and each shard's sha256. Shards appear under their final name only when complete
+(temp name, fsync, rename); the manifest is written last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eyas.errors import EyasError
+
+FORMAT = "eyas.capture"
+VERSION = 1
+LAST_STATE = "post_final_norm"
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+ID_BYTES, MASK_BYTES = 4, 1  # int32 ids, uint8 mask on disk
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def bytes_per_token(hidden: int, n_aux: int, dtype: torch.dtype) -> int:
+    """Disk bytes per captured token: aux + last states, id and mask."""
+    return (n_aux + 1) * hidden * torch.empty((), dtype=dtype).element_size() + ID_BYTES + MASK_BYTES
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_shard(root: Path, k: int, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
+    """Write shard k under a temporary name, fsync, then rename: never a partial final file."""
+    from safetensors.torch import save_file
+
+    final = root / shard_name(k)
+    tmp = root / f".{final.name}.tmp"
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata=meta)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    return final
+
+
+def shard_rows(path: Path) -> int | None:
+    """Token rows of a finished shard, or None when it cannot be opened (then it is redone)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_slice("input_ids").get_shape()[0]
+    except Exception:  # a damaged file of any kind is simply captured again
+        return None
+
+
+def write_json(path: Path, obj) -> None:
+    """Deterministic JSON via temp file + fsync + rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------- prepared data (read side)
+
+
+@dataclass
+class Record:
+    """One prepared sample as capture and vocab see it."""
+
+    index: int
+    split: str
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def data_fingerprint(data_dir: Path) -> str:
+    """sha256 (16 hex) over the prepared directory's manifest and sample files."""
+    h = hashlib.sha256()
+    for name in ("manifest.json", "train.jsonl", "eval.jsonl"):
+        f = Path(data_dir) / name
+        if f.is_file():
+            h.update(name.encode())
+            h.update(sha256_file(f).encode())
+    return h.hexdigest()[:16]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EyasError(f"{path}:{n}: not valid JSON ({e}); prepare the data again (eyas data prepare)") from e
+        if len(row.get("input_ids", [])) != len(row.get("loss_mask", [None])):
+            raise EyasError(f"{path}:{n}: input_ids and loss_mask lengths differ; prepare the data again")
+        rows.append(row)
+    return rows
+
+
+def read_prepared(data_dir: Path) -> tuple[dict, list[Record]]:
+    """Manifest and samples of both splits (train first, then eval) of a prepared dir.
+
+    Uses `eyas.formats.data` when present; a minimal reader of the same layout otherwise.
+    """
+    data_dir = Path(data_dir)
+    try:
+        from eyas.formats import data as fdata
+    except ImportError:
+        fdata = None
+    if fdata is not None and hasattr(fdata, "read_samples"):
+        manifest = fdata.read_manifest(data_dir)
+        splits = {s: [{"id": x.id, "input_ids": x.input_ids, "loss_mask": x.loss_mask}
+                      for x in fdata.read_samples(data_dir, s)] for s in ("train", "eval")}
+    else:
+        mf = data_dir / "manifest.json"
+        if not mf.is_file():
+            raise EyasError(f"--data {data_dir}: no manifest.json; pass a directory made by `eyas data prepare`")
+        manifest = json.loads(mf.read_text())
+        if manifest.get("format") != "eyas.prepared":
+            raise EyasError(f"{mf}: format is {manifest.get('format')!r}, not 'eyas.prepared'; "
+                            "pass a directory made by `eyas data prepare`")
+        splits = {s: _read_jsonl(data_dir / f"{s}.jsonl") if (data_dir / f"{s}.jsonl").is_file() else []
+                  for s in ("train", "eval")}
+    records = []
+    for split in ("train", "eval"):
+        for row in splits[split]:
+            records.append(Record(len(records), split, str(row["id"]), list(row["input_ids"]),
+                                  list(row["loss_mask"])))
+    if not records:
+        raise EyasError(f"--data {data_dir}: no samples in train.jsonl or eval.jsonl; prepare some data first")
+    return manifest, records
+
+
+# ---------------------------------------------------------------- reading captures
+
+
+REQUIRED = ("format", "version", "target_fingerprint", "layer_ids", "hidden_size", "dtype", "samples", "shards")
+
+
+def read_manifest(root: Path) -> dict:
+    """Load and check a capture manifest (format, version, required keys, confined paths)."""
+    root = Path(root)
+    mf = root / "manifest.json"
+    if not mf.is_file():
+        raise EyasError(f"capture {root}: no manifest.json; the capture is unfinished or this is not one: "
+                        "rerun the same `eyas capture` command to finish it")
+    try:
+        m = json.loads(mf.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{mf}: not valid JSON ({e}); rerun `eyas capture` to rewrite it") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise EyasError(f"{mf}: format {m.get('format') if isinstance(m, dict) else None!r} is not {FORMAT!r}; "
+                        "pass a directory written by `eyas capture`")
+    if m.get("version") != VERSION:
+        raise EyasError(f"{mf}: version {m.get('version')} is not supported (expected {VERSION}); recapture")
+    missing = [k for k in REQUIRED if k not in m]
+    if missing:
+        raise EyasError(f"{mf}: missing {missing}; rerun `eyas capture` to rewrite it")
+    if m["dtype"] not in NAME_DTYPES:
+        raise EyasError(f"{mf}: dtype {m['dtype']!r} unknown; expected one of {list(NAME_DTYPES)}")
+    real = root.resolve()
+    for s in m["shards"]:
+        p = (root / s["file"]).resolve()
+        if p.parent != real or "/" in s["file"] or "\\" in s["file"]:
+            raise EyasError(f"{mf}: shard path {s['file']!r} leaves the capture directory; refusing to read it")
+    return m
+
+
+class CaptureReader:
+    """Random access to captured samples: `reader[i] -> dict(aux, last, input_ids, loss_mask)`.
+
+    Shards are opened once (safetensors `safe_open`, memory-mapped) and kept open. With
+    `verify=True` each shard's sha256 is checked the first time it is opened; `validate()`
+    checks everything (hashes, shapes, finiteness, and tokens against prepared data).
+    """
+
+    def __init__(self, root: Path, verify: bool = True):
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        self.verify = verify
+        self._shards = {s["file"]: s for s in self.manifest["shards"]}
+        self._open: dict[str, object] = {}
+        self.layer_ids: list[int] = list(self.manifest["layer_ids"])
+        self.hidden_size: int = int(self.manifest["hidden_size"])
+        self.dtype: torch.dtype = NAME_DTYPES[self.manifest["dtype"]]
+        self.target_fingerprint: str = self.manifest["target_fingerprint"]
+        self.samples: list[dict] = self.manifest["samples"]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def split_indices(self, split: str) -> list[int]:
+        return [i for i, s in enumerate(self.samples) if s["split"] == split]
+
+    def _handle(self, name: str):
+        if name in self._open:
+            return self._open[name]
+        from safetensors import safe_open
+
+        if name not in self._shards:
+            raise EyasError(f"capture {self.root}/manifest.json names shard {name!r} for a sample but does not "
+                            "list it; rerun `eyas capture` to rewrite the manifest")
+        path = self.root / name
+        fix = f"delete {path} and rerun the same `eyas capture` command to recapture it"
+        if not path.is_file():
+            raise EyasError(f"capture shard {path} is missing; {fix}")
+        if self.verify and sha256_file(path) != self._shards[name]["sha256"]:
+            raise EyasError(f"capture shard {path} is corrupted or truncated (sha256 differs from the "
+                            f"manifest); {fix}")
+        try:
+            h = safe_open(str(path), framework="pt")
+        except Exception as e:
+            raise EyasError(f"capture shard {path} cannot be opened ({e}); {fix}") from e
+        self._open[name] = h
+        return h
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        s = self.samples[i]
+        h = self._handle(s["shard"])
+        a, b = s["offset"], s["offset"] + s["length"]
+        path = self.root / s["shard"]
+        try:
+            out = {k: h.get_slice(k)[a:b] for k in ("aux", "last", "input_ids", "loss_mask")}
+        except Exception as e:
+            raise EyasError(f"capture shard {path}: sample {i} cannot be read ({e}); delete the shard and "
+                            "rerun the same `eyas capture` command") from e
+        self._check(i, out, path)
+        out["input_ids"] = out["input_ids"].long()
+        out["loss_mask"] = out["loss_mask"].long()
+        return out
+
+    def _check(self, i: int, t: dict, path: Path) -> None:
+        T, H, n = self.samples[i]["length"], self.hidden_size, len(self.layer_ids)
+        want = {"aux": (T, n * H), "last": (T, H), "input_ids": (T,), "loss_mask": (T,)}
+        for k, shape in want.items():
+            if tuple(t[k].shape) != shape:
+                raise EyasError(f"capture shard {path}: sample {i} {k} has shape {tuple(t[k].shape)}, expected "
+                                f"{shape}; delete the shard and rerun the same `eyas capture` command")
+        for k in ("aux", "last"):
+            if t[k].dtype != self.dtype:
+                raise EyasError(f"capture shard {path}: {k} dtype {t[k].dtype} differs from the manifest's "
+                                f"{self.manifest['dtype']}; recapture")
+            if not bool(torch.isfinite(t[k]).all()):
+                raise EyasError(f"capture shard {path}: sample {i} {k} holds NaN/inf; the target overflowed "
+                                "in this dtype: recapture with --dtype fp32 or bf16")
+
+    def validate(self, data_dir: Path | None = None) -> dict:
+        """Check every shard's hash and every sample (and tokens against `data_dir`)."""
+        for name in self._shards:
+            self._open.pop(name, None)
+            keep, self.verify = self.verify, True
+            try:
+                self._handle(name)
+            finally:
+                self.verify = keep
+        records = None
+        if data_dir is not None:
+            _, recs = read_prepared(Path(data_dir))
+            records = {(r.split, r.id): r for r in recs}
+        tokens = 0
+        for i in range(len(self)):
+            t = self[i]
+            tokens += t["input_ids"].numel()
+            if records is not None:
+                self._check_tokens(i, t, records, data_dir)
+        return {"samples": len(self), "tokens": tokens, "shards": len(self._shards)}
+
+    def _check_tokens(self, i: int, t: dict, records: dict, data_dir: Path) -> None:
+        s = self.samples[i]
+        r = records.get((s["split"], s["id"]))
+        if r is None or r.input_ids != t["input_ids"].tolist() or r.loss_mask != t["loss_mask"].tolist():
+            raise EyasError(f"capture {self.root}: sample {s['id']} ({s['split']}) does not match the prepared "
+                            f"data in {data_dir}; the data changed after capture: recapture it")
+
+
+# ---------------------------------------------------------------- speculators layout
+
+
+def speculators_write_sample(root: Path, index: int, token_ids: torch.Tensor, states: torch.Tensor) -> None:
+    """`hidden_states/hs_{index}.safetensors` as speculators' FileTransfer reads it:
+    `hidden_states` [T, n_aux + 1, H] (aux layers, then the last decoder layer's output
+    BEFORE the final norm: speculators applies its own frozen `verifier_norm`) and
+    `token_ids` [T] int64."""
+    from safetensors.torch import save_file
+
+    d = root / "hidden_states"
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / f"hs_{index}.safetensors"
+    tmp = d / f".{final.name}.tmp"
+    save_file({"hidden_states": states.contiguous(), "token_ids": token_ids.long().contiguous()}, str(tmp))
+    os.replace(tmp, final)
+
+
+def speculators_write_dataset(root: Path, input_ids: list[list[int]], loss_masks: list[list[int]], n_train: int) -> dict:
+    """The Arrow dataset (`datasets.save_to_disk`) speculators' ArrowDataset reads:
+    `input_ids`, `loss_mask`, `seq_len`, torch format; rows in hs_{i} order, train first.
+    Returns the `--train-data-ratio` that makes speculators' split equal eyas's."""
+    from datasets import Dataset
+
+    ds = Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_masks,
+                            "seq_len": [len(x) for x in input_ids]})
+    ds.set_format(type="torch")
+    ds.save_to_disk(str(root))
+    n = len(input_ids)
+    # int(n * ratio) == n_train exactly; speculators needs a ratio strictly inside (0, 1)
+    ratio = (n_train + 0.5) / n if 0 < n_train < n else None
+    info = {"train_data_ratio": ratio, "train_samples": n_train, "samples": n,
+            "last_hidden_state": "pre_final_norm (output of the last decoder layer)"}
+    (root / "eyas_speculators.json").write_text(json.dumps(info, indent=1) + "\n")
+    return info

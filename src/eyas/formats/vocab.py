@@ -1,0 +1,181 @@
+"""Draft-vocabulary files (`vocab.safetensors`: `d2t` int64 [N] offsets, `t2d` bool [V],
+metadata strings) and the vocabulary tensors inside drafter checkpoint directories
+(`d2t`, `t2d`, `lm_head.weight`, the same top-level names in eyas, SGLang/EAGLE and
+speculators layouts). Every read validates DESIGN 4's invariants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eyas.core import vocab as core
+from eyas.errors import EyasError
+
+FORMAT = "eyas.vocab"
+VERSION = 1
+VOCAB_KEYS = ("d2t", "t2d", "lm_head.weight")
+
+
+@dataclass
+class VocabMap:
+    """A draft vocabulary: `target_id = i + d2t[i]`, `t2d[j]` true iff j is a draft token."""
+
+    d2t: torch.Tensor  # (N,) int64 offsets
+    t2d: torch.Tensor  # (V,) bool
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def draft_size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def target_size(self) -> int:
+        return self.t2d.numel()
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        return core.target_ids(self.d2t)
+
+
+def vocab_fingerprint(d2t: torch.Tensor, target_size: int) -> str:
+    """Short stable id of a draft vocabulary (its target ids and the target vocabulary size)."""
+    h = hashlib.sha256(f"{target_size}:".encode())
+    h.update(core.target_ids(d2t).numpy().astype("<i8").tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_vocab(path: Path, vm: VocabMap) -> None:
+    """Write `vm` atomically as one safetensors file; metadata values become strings."""
+    from safetensors.torch import save_file
+
+    core.check_maps(vm.d2t, vm.t2d)
+    meta = {"format": FORMAT, "version": str(VERSION), "target_vocab_size": str(vm.target_size),
+            "draft_vocab_size": str(vm.draft_size), "fingerprint": vocab_fingerprint(vm.d2t, vm.target_size)}
+    meta.update({k: v if isinstance(v, str) else json.dumps(v) for k, v in vm.meta.items() if k not in meta})
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"d2t": vm.d2t.long().contiguous(), "t2d": vm.t2d.bool().contiguous()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+
+
+def _decode_meta(meta: dict) -> dict:
+    out = {}
+    for k, v in (meta or {}).items():
+        try:
+            out[k] = json.loads(v)
+        except (json.JSONDecodeError, TypeError):
+            out[k] = v
+    return out
+
+
+def load_vocab(path: Path, target_size: int | None = None) -> VocabMap:
+    """Read and validate a vocab file (EyasError naming the file and the fix otherwise)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise EyasError(f"vocab file {path} does not exist; build one with `eyas vocab build`")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys, meta = set(f.keys()), f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in ("d2t", "t2d") if k in keys}
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise EyasError(f"vocab file {path} is not a readable safetensors file ({e}); rebuild it") from e
+    missing = [k for k in ("d2t", "t2d") if k not in tensors]
+    if missing:
+        raise EyasError(f"vocab file {path} lacks {missing}; it must hold d2t and t2d (eyas vocab build)")
+    meta = _decode_meta(meta)
+    declared = meta.get("target_vocab_size")
+    if isinstance(declared, int) and declared != tensors["t2d"].numel():
+        raise EyasError(f"vocab file {path}: metadata says target vocab {declared} but t2d has "
+                        f"{tensors['t2d'].numel()} entries; rebuild it")
+    try:
+        core.check_maps(tensors["d2t"], tensors["t2d"], target_size)
+    except EyasError as e:
+        raise EyasError(f"vocab file {path}: {e}") from e
+    return VocabMap(tensors["d2t"].long(), tensors["t2d"].bool(), meta)
+
+
+# ---------------------------------------------------------------- inside checkpoints
+
+
+def _weights_file(ckpt: Path) -> Path:
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        if (ckpt / name).is_file():
+            return ckpt / name
+    raise EyasError(f"checkpoint {ckpt}: no model.safetensors or pytorch_model.bin; pass a drafter directory")
+
+
+def read_checkpoint_vocab(ckpt: Path) -> dict[str, torch.Tensor]:
+    """`d2t`, `t2d` and `lm_head.weight` of a drafter checkpoint directory (any layout)."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise EyasError(f"checkpoint {ckpt} is not a directory; pass a drafter checkpoint directory")
+    f = _weights_file(ckpt)
+    try:
+        if f.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as h:
+                got = {k: h.get_tensor(k) for k in VOCAB_KEYS if k in h.keys()}
+        else:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+            got = {k: sd[k] for k in VOCAB_KEYS if k in sd}
+    except EyasError:
+        raise
+    except Exception as e:
+        raise EyasError(f"checkpoint {f} cannot be read ({e}); re-save the drafter") from e
+    missing = [k for k in VOCAB_KEYS if k not in got]
+    if missing:
+        raise EyasError(f"checkpoint {f} lacks {missing}; a drafter must store d2t, t2d and lm_head.weight "
+                        "(eyas convert can add them)")
+    try:
+        core.check_maps(got["d2t"], got["t2d"])
+    except EyasError as e:
+        raise EyasError(f"checkpoint {f}: {e}") from e
+    if got["lm_head.weight"].shape[0] != got["d2t"].numel():
+        raise EyasError(f"checkpoint {f}: lm_head has {got['lm_head.weight'].shape[0]} rows but d2t maps "
+                        f"{got['d2t'].numel()} draft ids; the checkpoint is inconsistent")
+    return got
+
+
+def load_any(path: Path) -> VocabMap:
+    """A vocab file or a drafter checkpoint directory, as a VocabMap."""
+    path = Path(path)
+    if path.is_dir():
+        t = read_checkpoint_vocab(path)
+        return VocabMap(t["d2t"].long(), t["t2d"].bool(), {"source": "checkpoint"})
+    return load_vocab(path)
+
+
+def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy checkpoint `src` to `out` (a fresh directory) replacing `d2t`, `t2d`,
+    `lm_head.weight` in its weights and `draft_vocab_size` in its config.json."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = Path(src), Path(out)
+    f = _weights_file(src)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    if f.suffix == ".safetensors":
+        with safe_open(str(f), framework="pt") as h:
+            sd, meta = {k: h.get_tensor(k) for k in h.keys()}, h.metadata()
+        sd.update({k: v.contiguous() for k, v in tensors.items()})
+        save_file(sd, str(out / f.name), metadata=meta)
+    else:
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+        sd.update(tensors)
+        torch.save(sd, out / f.name)
+    cfg_file = out / "config.json"
+    if cfg_file.is_file():
+        cfg = json.loads(cfg_file.read_text())
+        cfg["draft_vocab_size"] = int(tensors["d2t"].numel())
+        cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")

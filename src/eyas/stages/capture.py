@@ -1,0 +1,554 @@
+"""`eyas capture [merge | import]`: run the target over prepared samples and store the aux
+and final hidden states as shards (DESIGN 7); join part captures; turn speculators or
+SpecForge features into eyas shards.
+
+Work is planned before anything runs: samples (train then eval, file order) are cut into
+shards by size (`--shard-mb`), so a shard's contents never depend on where a run was
+killed; each shard is captured in length-sorted, token-budgeted batches and written
+atomically. A rerun of the same command skips finished shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from eyas import targets
+from eyas.errors import EyasError
+from eyas.formats import capture as fcap
+from eyas.stages.common import add_json_flag, emit, provenance
+
+log = logging.getLogger(__name__)
+PLAN_FILE = ".eyas-capture-plan.json"
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """Arguments of `eyas capture`."""
+
+    target: str
+    data: Path
+    out: Path
+    layers: str = "auto"
+    dtype: str = "bf16"
+    batch_tokens: int = 4096
+    shard_mb: float = 512
+    shard_index: int = 0
+    num_shards: int = 1
+    force: bool = False
+    device: str = "cpu"
+    format: str = "eyas"
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "capture", help="store the target's aux + final hidden states for offline training",
+        description="Run the target over prepared samples (both splits) and store per token the "
+        "concatenated aux states [T, 3H] at --layers (HF hidden_states index) and the final-norm output "
+        "[T, H] as safetensors shards + manifest.json. Rerun the same command to resume after a kill. "
+        "Actions: `merge` joins part captures, `import` converts speculators/SpecForge features.")
+    p.add_argument("--target", help="built-in name or local HF directory")
+    p.add_argument("--data", type=Path, help="prepared data directory (eyas data prepare)")
+    p.add_argument("--out", type=Path, help="output directory")
+    p.add_argument("--layers", default="auto", help="aux layers: auto = [2, L//2, L-3], or i,j,k (HF index)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="run and store dtype")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward batch")
+    p.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB")
+    p.add_argument("--shard-index", type=int, default=0, help="this part's index (0-based)")
+    p.add_argument("--num-shards", type=int, default=1, help="split the work into this many parts")
+    p.add_argument("--force", action="store_true", help="ignore the free-space check; replace a foreign --out")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--format", default="eyas", choices=("eyas", "speculators"),
+                   help="speculators: also write the speculators offline layout under OUT/speculators")
+    add_json_flag(p)
+    p.set_defaults(func=run_capture)
+    csub = p.add_subparsers(dest="capture_command", metavar="ACTION")
+    m = csub.add_parser("merge", help="join part captures (--shard-index/--num-shards) into one",
+                        description="Join the part directories of one split capture into a single capture.")
+    m.add_argument("parts", nargs="+", type=Path, help="part directories")
+    m.add_argument("--out", type=Path, required=True, help="output directory")
+    m.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_json_flag(m)
+    m.set_defaults(func=run_merge)
+    i = csub.add_parser("import", help="convert speculators or SpecForge features to eyas shards",
+                        description="speculators: DIR holds the Arrow dataset and hidden_states/hs_*.safetensors "
+                        "(last state pre-norm; the target's final norm is applied). specforge: DIR holds "
+                        "rows_*/data_*.ckpt (aux_hidden_state, hidden_state post-norm, input_ids, loss_mask).")
+    i.add_argument("source", type=Path, help="directory of features")
+    i.add_argument("--from", dest="source_format", required=True, choices=("speculators", "specforge"))
+    i.add_argument("--target", required=True, help="the target the features came from")
+    i.add_argument("--out", type=Path, required=True, help="output directory")
+    i.add_argument("--layers", default="auto", help="aux layers the features hold (HF index); auto = [2, L//2, L-3]")
+    i.add_argument("--train-ratio", type=float, default=1.0, help="first share of samples marked train, rest eval")
+    i.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB")
+    i.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_json_flag(i)
+    i.set_defaults(func=run_import)
+
+
+def _config(args) -> CaptureConfig:
+    missing = [f"--{n}" for n in ("target", "data", "out") if getattr(args, n) is None]
+    if missing:
+        raise EyasError(f"eyas capture needs {', '.join(missing)} (see `eyas capture --help`)")
+    if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
+        raise EyasError(f"--shard-index {args.shard_index} --num-shards {args.num_shards}: need 0 <= index < count")
+    if args.batch_tokens < 1 or args.shard_mb <= 0:
+        raise EyasError("--batch-tokens and --shard-mb must be positive")
+    return CaptureConfig(args.target, args.data, args.out, args.layers, args.dtype, args.batch_tokens,
+                         args.shard_mb, args.shard_index, args.num_shards, args.force, args.device, args.format)
+
+
+def run_capture(args) -> int:
+    cfg = _config(args)
+    summary = capture(cfg)
+    human = (f"captured {summary['samples']} samples / {summary['tokens']} tokens into {summary['shards']} shards "
+             f"({summary['captured_shards']} new, {summary['skipped_shards']} already done) -> {cfg.out}")
+    emit(args, summary, human)
+    return 0
+
+
+# ---------------------------------------------------------------- planning
+
+
+def plan_shards(lengths: list[int], bpt: int, shard_bytes: int) -> list[list[int]]:
+    """Cut sample indices, in order, into shards of at most `shard_bytes` (>= 1 sample each)."""
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, n in enumerate(lengths):
+        if cur and size + n * bpt > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n * bpt
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def plan_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Length-sorted batches whose padded size (count x longest) stays within the budget."""
+    order = sorted(indices, key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def plan_id(common: dict, shards: list[list[int]]) -> str:
+    blob = json.dumps({"common": common, "shards": shards}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_disk(out: Path, need: int, force: bool) -> None:
+    """Print the estimate; refuse (exit 2) when the free space is short, unless --force."""
+    probe = out if out.exists() else out.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    print(f"eyas capture: needs about {need / 1e9:.2f} GB on disk; {free / 1e9:.2f} GB free at {probe}",
+          file=sys.stderr)
+    if need > free and not force:
+        raise EyasError(f"--out {out}: about {need / 1e9:.2f} GB needed but only {free / 1e9:.2f} GB free; "
+                        "free space, lower the sample count, split with --num-shards, or pass --force")
+
+
+def prepare_out(out: Path, pid: str, force: bool) -> None:
+    """Make `out` ready: fresh, a resumable run of the same plan, or (with --force) wiped."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan_file, manifest = out / PLAN_FILE, out / "manifest.json"
+    previous = None
+    if plan_file.is_file():
+        previous = json.loads(plan_file.read_text()).get("plan_id")
+    elif manifest.is_file():
+        previous = json.loads(manifest.read_text()).get("plan_id")
+    foreign = any(out.iterdir()) and previous != pid
+    if foreign and not force:
+        raise EyasError(f"--out {out} holds other content (not a capture of these arguments); "
+                        "choose another --out or pass --force to replace it")
+    if foreign:
+        shutil.rmtree(out)
+        out.mkdir(parents=True)
+    fcap.write_json(plan_file, {"plan_id": pid})
+
+
+# ---------------------------------------------------------------- running the target
+
+
+class Forward:
+    """Runs the target's decoder stack (no LM head: no full-vocab logits) on padded batches
+    and returns per-sample aux states, final-norm states and, if asked, the pre-norm
+    output of the last layer (what speculators stores)."""
+
+    def __init__(self, model: torch.nn.Module, layer_ids: list[int], device: torch.device, prenorm: bool):
+        self.stack = targets.find_decoder_stack(model)
+        self.layer_ids, self.device = layer_ids, device
+        self._ctx = targets.capture_aux(model, layer_ids)
+        self.cap = self._ctx.__enter__()
+        self.pre: torch.Tensor | None = None
+        self._hook = self.stack.layers[-1].register_forward_hook(self._keep_pre) if prenorm else None
+
+    def _keep_pre(self, module, args, output) -> None:
+        self.pre = output[0] if isinstance(output, (tuple, list)) else output
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._ctx.__exit__(None, None, None)
+
+    @torch.no_grad()
+    def __call__(self, seqs: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+        T = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        mask = torch.zeros(len(seqs), T, dtype=torch.long)
+        for b, s in enumerate(seqs):  # right padding; padded positions are never stored
+            ids[b, : len(s)] = torch.tensor(s)
+            mask[b, : len(s)] = 1
+        self.cap.clear()
+        self.stack.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
+        aux, last = self.cap.aux(), self.cap.last  # (B, T, n*H), (B, T, H)
+        out = []
+        for b, s in enumerate(seqs):
+            n = len(s)
+            row = {"aux": aux[b, :n].cpu(), "last": last[b, :n].cpu()}
+            if self.pre is not None:
+                row["pre"] = self.pre[b, :n].cpu()
+            out.append(row)
+        return out
+
+
+# ---------------------------------------------------------------- writing shards
+
+
+def _shard_tensors(rows: list[dict], records: list) -> dict[str, torch.Tensor]:
+    return {
+        "aux": torch.cat([r["aux"] for r in rows]),
+        "last": torch.cat([r["last"] for r in rows]),
+        "input_ids": torch.tensor([t for rec in records for t in rec.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for rec in records for m in rec.loss_mask], dtype=torch.uint8),
+    }
+
+
+def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[int],
+                 produce: Callable[[list[int]], list[dict]], spec_dir: Path | None) -> dict:
+    """Produce and write each of `mine` (shard numbers) unless already finished."""
+    from tqdm import tqdm
+
+    done = skipped = 0
+    for k in tqdm(mine, desc="capture shards", unit="shard", disable=None, file=sys.stderr):
+        idx = shards[k]
+        tokens = sum(len(records[i].input_ids) for i in idx)
+        if (out / fcap.shard_name(k)).is_file() and fcap.shard_rows(out / fcap.shard_name(k)) == tokens:
+            skipped += 1
+            continue
+        rows = produce(idx)
+        if spec_dir is not None:  # before the shard: a finished shard implies its hs_ files
+            for i, r in zip(idx, rows):
+                fcap.speculators_write_sample(spec_dir, i, torch.tensor(records[i].input_ids),
+                                              _speculators_states(r))
+        # one metadata key: safetensors writes several keys in no fixed order (bytes would vary)
+        meta = {"eyas": json.dumps({"format": fcap.FORMAT + ".shard", "shard": k, "first_sample": idx[0],
+                                    "samples": len(idx)}, sort_keys=True)}
+        fcap.write_shard(out, k, _shard_tensors(rows, [records[i] for i in idx]), meta)
+        done += 1
+    return {"captured_shards": done, "skipped_shards": skipped}
+
+
+def _speculators_states(row: dict) -> torch.Tensor:
+    H = row["last"].shape[-1]
+    aux = row["aux"].reshape(row["aux"].shape[0], -1, H)  # (T, n_aux, H)
+    return torch.cat([aux, row["pre"].unsqueeze(1)], dim=1)  # (T, n_aux + 1, H)
+
+
+def build_manifest(common: dict, pid: str, records: list, shards: list[list[int]], mine: list[int],
+                   out: Path, part: dict | None) -> dict:
+    """The manifest for shards `mine` (hashes read back from disk). Deterministic: no times."""
+    samples, shard_entries = [], []
+    for k in mine:
+        name, offset = fcap.shard_name(k), 0
+        for i in shards[k]:
+            r = records[i]
+            samples.append({"index": i, "id": r.id, "split": r.split, "shard": name,
+                            "offset": offset, "length": len(r.input_ids)})
+            offset += len(r.input_ids)
+        shard_entries.append({"file": name, "sha256": fcap.sha256_file(out / name), "samples": len(shards[k]),
+                              "tokens": offset, "bytes": (out / name).stat().st_size})
+    return {**common, "format": fcap.FORMAT, "version": fcap.VERSION, "plan_id": pid,
+            "num_planned_shards": len(shards), "part": part, "num_samples": len(samples),
+            "num_tokens": sum(s["length"] for s in samples), "samples": samples, "shards": shard_entries}
+
+
+def finish(out: Path, manifest: dict, records: list, spec_dir: Path | None, prov: dict) -> None:
+    """Manifest last; provenance beside it; the speculators dataset for a whole capture."""
+    fcap.write_json(out / "provenance.json", prov)
+    if spec_dir is not None and manifest["part"] is None:
+        n_train = sum(1 for r in records if r.split == "train")
+        fcap.speculators_write_dataset(spec_dir, [r.input_ids for r in records],
+                                       [r.loss_mask for r in records], n_train)
+    fcap.write_json(out / "manifest.json", manifest)
+    (out / PLAN_FILE).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- the capture stage
+
+
+def capture(cfg: CaptureConfig) -> dict:
+    """Run `eyas capture` for `cfg` (resolving and loading the target)."""
+    path = targets.resolve(cfg.target)
+    tcfg = targets.load_config(path)
+    layer_ids = targets.parse_layers(cfg.layers, tcfg.num_hidden_layers)
+    targets.parse_dtype(cfg.dtype)
+    device = targets.parse_device(cfg.device)
+    manifest, records = fcap.read_prepared(cfg.data)
+    common = {"target": str(path), "target_fingerprint": targets.fingerprint(path),
+              "data": str(Path(cfg.data).resolve()), "data_fingerprint": fcap.data_fingerprint(cfg.data),
+              "layer_ids": layer_ids, "hidden_size": tcfg.hidden_size, "num_layers": tcfg.num_hidden_layers,
+              "dtype": cfg.dtype, "last_state": fcap.LAST_STATE, "shard_mb": cfg.shard_mb}
+    if manifest.get("target_fingerprint") not in (None, common["target_fingerprint"]):
+        raise EyasError(f"--data {cfg.data} was prepared for target fingerprint {manifest['target_fingerprint']}, "
+                        f"not {common['target_fingerprint']} ({path}); prepare the data for this target")
+    V = tcfg.vocab_size
+    bad = next((r for r in records if any(not 0 <= t < V for t in r.input_ids)), None)
+    if bad is not None:
+        raise EyasError(f"--data {cfg.data}: sample {bad.id} holds token ids outside 0..{V - 1}; "
+                        "it was prepared for another tokenizer: prepare it for this target")
+    model, _ = targets.load(path, dtype=cfg.dtype, device=str(device))
+    return capture_records(model, records, common, cfg, device)
+
+
+def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: CaptureConfig,
+                    device: torch.device = torch.device("cpu")) -> dict:
+    """Capture `records` with an already loaded `model` (any wrapper whose decoder stack
+    `targets.find_decoder_stack` finds) into `cfg.out`; resumable."""
+    lengths = [len(r.input_ids) for r in records]
+    dtype = targets.parse_dtype(common["dtype"])
+    bpt = fcap.bytes_per_token(common["hidden_size"], len(common["layer_ids"]), dtype)
+    shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 1_000_000))
+    pid = plan_id(common, shards)
+    mine = [k for k in range(len(shards)) if k % cfg.num_shards == cfg.shard_index]
+    speculators = cfg.format == "speculators"
+    need = sum(lengths[i] for k in mine for i in shards[k]) * bpt * (2 if speculators else 1)
+    fwd = Forward(model, common["layer_ids"], device, prenorm=speculators)  # fails fast: no layers found
+    spec_dir = cfg.out / "speculators" if speculators else None
+    try:
+        check_disk(cfg.out, need, cfg.force)
+        prepare_out(cfg.out, pid, cfg.force)
+
+        def produce(idx: list[int]) -> list[dict]:
+            got: dict[int, dict] = {}
+            for batch in plan_batches(idx, lengths, cfg.batch_tokens):
+                got.update(zip(batch, fwd([records[i].input_ids for i in batch])))
+            return [got[i] for i in idx]
+
+        counts = write_shards(cfg.out, records, shards, mine, produce, spec_dir)
+    finally:
+        fwd.close()
+    part = {"index": cfg.shard_index, "count": cfg.num_shards} if cfg.num_shards > 1 else None
+    m = build_manifest(common, pid, records, shards, mine, cfg.out, part)
+    finish(cfg.out, m, records, spec_dir, {"config": {k: str(v) for k, v in asdict(cfg).items()},
+                                           **provenance()})
+    return {"out": str(cfg.out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(mine),
+            "bytes_per_token": bpt, "layer_ids": common["layer_ids"], "part": part, **counts}
+
+
+# ---------------------------------------------------------------- merge
+
+
+def run_merge(args) -> int:
+    summary = merge(args.parts, args.out, args.force)
+    emit(args, summary, f"merged {len(args.parts)} parts: {summary['samples']} samples, "
+         f"{summary['shards']} shards -> {args.out}")
+    return 0
+
+
+def merge(parts: list[Path], out: Path, force: bool = False) -> dict:
+    """Join part captures of one plan into `out`, equal to a single uninterrupted run."""
+    ms = [fcap.read_manifest(p) for p in parts]
+    keys = ("plan_id", "target_fingerprint", "data_fingerprint", "layer_ids", "dtype", "hidden_size")
+    for p, m in zip(parts, ms):
+        diff = [k for k in keys if m.get(k) != ms[0].get(k)]
+        if diff:
+            raise EyasError(f"capture part {p} differs from {parts[0]} in {diff}; merge parts of one capture only")
+        if m.get("part") is None:
+            raise EyasError(f"capture {p} is not a part (no --num-shards); it needs no merge")
+    count = ms[0]["part"]["count"]
+    seen = sorted(m["part"]["index"] for m in ms)
+    if seen != list(range(count)):
+        raise EyasError(f"capture parts: got indices {seen}, need each of 0..{count - 1} exactly once; "
+                        "pass every part directory")
+    if out.exists() and any(out.iterdir()) and not force:
+        raise EyasError(f"--out {out} exists and is not empty; pass --force or choose another path")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for p, m in zip(parts, ms):
+        for s in m["shards"]:
+            if fcap.sha256_file(p / s["file"]) != s["sha256"]:
+                raise EyasError(f"capture shard {p / s['file']} is corrupted or truncated (sha256 differs); "
+                                "delete it and rerun that part's `eyas capture` command")
+            shutil.copyfile(p / s["file"], out / s["file"])
+        spec = p / "speculators" / "hidden_states"
+        if spec.is_dir():
+            shutil.copytree(spec, out / "speculators" / "hidden_states", dirs_exist_ok=True)
+    merged = _merged_manifest(ms)
+    recs = _records_from_parts(parts, ms)
+    spec_dir = out / "speculators" if (out / "speculators").is_dir() else None
+    finish(out, merged, recs, spec_dir, {"merged_from": [str(p) for p in parts], **provenance()})
+    return {"out": str(out), "samples": merged["num_samples"], "tokens": merged["num_tokens"],
+            "shards": len(merged["shards"])}
+
+
+def _merged_manifest(ms: list[dict]) -> dict:
+    m = dict(ms[0])
+    m["samples"] = sorted((s for x in ms for s in x["samples"]), key=lambda s: s["index"])
+    m["shards"] = sorted((s for x in ms for s in x["shards"]), key=lambda s: s["file"])
+    m["part"] = None
+    m["num_samples"] = len(m["samples"])
+    m["num_tokens"] = sum(s["length"] for s in m["samples"])
+    return m
+
+
+def _records_from_parts(parts: list[Path], ms: list[dict]) -> list:
+    recs = []
+    for p in parts:
+        r = fcap.CaptureReader(p, verify=False)
+        for i, s in enumerate(r.samples):
+            t = r[i]
+            recs.append(fcap.Record(s["index"], s["split"], s["id"], t["input_ids"].tolist(),
+                                    t["loss_mask"].tolist()))
+    return sorted(recs, key=lambda r: r.index)
+
+
+# ---------------------------------------------------------------- import
+
+
+def run_import(args) -> int:
+    summary = import_features(args.source_format, args.source, args.target, args.out, args.layers,
+                              args.train_ratio, args.shard_mb, args.force)
+    emit(args, summary, f"imported {summary['samples']} samples / {summary['tokens']} tokens from "
+         f"{args.source_format} {args.source} -> {args.out}")
+    return 0
+
+
+def _specforge_files(src: Path) -> list[Path]:
+    files = [f for f in src.rglob("data_*.ckpt")] + [f for f in src.rglob("data_*.pt")]
+    def idx(f: Path) -> int:
+        try:
+            return int(f.stem.split("_", 1)[1])
+        except ValueError as e:
+            raise EyasError(f"SpecForge file {f}: name is not data_<index>.ckpt") from e
+    return sorted(files, key=idx)
+
+
+def _load_specforge(f: Path) -> dict:
+    try:
+        d = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise EyasError(f"SpecForge file {f} cannot be read as tensors ({e}); regenerate it") from e
+    missing = [k for k in ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state") if k not in d]
+    if missing:
+        raise EyasError(f"SpecForge file {f} lacks {missing}; generate it with --enable-aux-hidden-states")
+    return {"input_ids": d["input_ids"].reshape(-1), "loss_mask": d["loss_mask"].reshape(-1),
+            "aux": d["aux_hidden_state"].reshape(d["input_ids"].numel(), -1),
+            "last": d["hidden_state"].reshape(d["input_ids"].numel(), -1)}
+
+
+def _speculators_items(src: Path, norm: torch.nn.Module) -> list[Callable[[], dict]]:
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    try:
+        ds = load_from_disk(str(src)).with_format(None)
+    except Exception as e:
+        raise EyasError(f"speculators data {src} is not a saved dataset ({e}); pass the directory "
+                        "that holds the Arrow dataset and hidden_states/") from e
+
+    def item(i: int) -> dict:
+        f = src / "hidden_states" / f"hs_{i}.safetensors"
+        if not f.is_file():
+            raise EyasError(f"speculators data {src}: {f} is missing; generate it (speculators "
+                            "data generation) or drop the sample")
+        t = load_file(str(f))
+        row = ds[i]
+        if t["token_ids"].tolist() != list(row["input_ids"]):
+            raise EyasError(f"speculators file {f}: token_ids differ from the dataset row {i}; regenerate it")
+        hs = t["hidden_states"]  # (T, n_aux + 1, H): last is pre-norm
+        with torch.no_grad():
+            last = norm(hs[:, -1].to(norm.weight.dtype)).to(hs.dtype)
+        return {"input_ids": t["token_ids"], "loss_mask": torch.tensor(row["loss_mask"]),
+                "aux": hs[:, :-1].flatten(1), "last": last}
+
+    return [lambda i=i: item(i) for i in range(len(ds))]
+
+
+def import_features(kind: str, src: Path, target: str, out: Path, layers: str = "auto",
+                    train_ratio: float = 1.0, shard_mb: float = 512, force: bool = False) -> dict:
+    """Convert speculators/SpecForge features into an eyas capture at `out`."""
+    if not src.is_dir():
+        raise EyasError(f"{kind} features {src}: no such directory")
+    if not 0.0 < train_ratio <= 1.0:
+        raise EyasError(f"--train-ratio {train_ratio} must lie in (0, 1]")
+    path = targets.resolve(target)
+    tcfg = targets.load_config(path)
+    layer_ids = targets.parse_layers(layers, tcfg.num_hidden_layers)
+    if kind == "specforge":
+        files = _specforge_files(src)
+        items = [lambda f=f: _load_specforge(f) for f in files]
+    else:
+        model, _ = targets.load(path)
+        items = _speculators_items(src, targets.find_decoder_stack(model).norm)
+    if not items:
+        raise EyasError(f"{kind} features {src}: no samples found")
+    first = items[0]()
+    H, n_aux = tcfg.hidden_size, len(layer_ids)
+    if first["aux"].shape[-1] != n_aux * H or first["last"].shape[-1] != H:
+        raise EyasError(f"{kind} features {src}: aux width {first['aux'].shape[-1]} / last width "
+                        f"{first['last'].shape[-1]} do not fit {n_aux} layers x hidden {H} of {path}; "
+                        "pass the right --target and --layers")
+    dtype = first["aux"].dtype
+    if dtype not in fcap.DTYPE_NAMES:
+        raise EyasError(f"{kind} features {src}: dtype {dtype} is not supported (fp32, bf16, fp16)")
+    rows = _collect(items, dtype, train_ratio)
+    records = [fcap.Record(i, split, f"{kind}-{i}", r["input_ids"].tolist(), r["loss_mask"].tolist())
+               for i, (split, r) in enumerate(rows)]
+    common = {"target": str(path), "target_fingerprint": targets.fingerprint(path), "data": str(src.resolve()),
+              "data_fingerprint": f"import:{kind}", "layer_ids": layer_ids, "hidden_size": H,
+              "num_layers": tcfg.num_hidden_layers, "dtype": fcap.DTYPE_NAMES[dtype],
+              "last_state": fcap.LAST_STATE, "shard_mb": shard_mb}
+    bpt = fcap.bytes_per_token(H, n_aux, dtype)
+    shards = plan_shards([len(r.input_ids) for r in records], bpt, int(shard_mb * 1_000_000))
+    pid = plan_id(common, shards)
+    check_disk(out, sum(len(r.input_ids) for r in records) * bpt, force)
+    prepare_out(out, pid, force)
+    write_shards(out, records, shards, list(range(len(shards))), lambda idx: [rows[i][1] for i in idx], None)
+    m = build_manifest(common, pid, records, shards, list(range(len(shards))), out, None)
+    finish(out, m, records, None, {"imported_from": {"format": kind, "dir": str(src)}, **provenance()})
+    return {"out": str(out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(shards)}
+
+
+def _collect(items: list[Callable[[], dict]], dtype: torch.dtype, train_ratio: float) -> list[tuple[str, dict]]:
+    n_train = int(len(items) * train_ratio)
+    rows = []
+    for i, load in enumerate(items):
+        r = load()
+        r["aux"], r["last"] = r["aux"].to(dtype), r["last"].to(dtype)
+        if not bool(torch.isfinite(r["aux"]).all() and torch.isfinite(r["last"]).all()):
+            raise EyasError(f"imported sample {i} holds NaN/inf hidden states; regenerate it")
+        rows.append(("train" if i < n_train else "eval", r))
+    return rows

@@ -1,0 +1,188 @@
+"""`eyas vocab build | compare | remap`: the draft vocabulary (DESIGN 4), an overlap report
+between two vocabularies or drafters, and carrying a drafter's lm_head to a new vocabulary."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from eyas import targets
+from eyas.core import vocab as core
+from eyas.errors import EyasError
+from eyas.formats import capture as fcap
+from eyas.formats import vocab as fvocab
+from eyas.stages.common import add_json_flag, emit
+
+DEFAULT_SIZE = 32000
+
+
+def register(sub) -> None:
+    p = sub.add_parser("vocab", help="build, compare or remap a draft vocabulary",
+                       description="Draft vocabulary = the N most frequent target ids over supervised tokens.")
+    vsub = p.add_subparsers(dest="vocab_command", metavar="ACTION", required=True)
+    b = vsub.add_parser("build", help="top-N supervised token ids -> vocab.safetensors (d2t offsets, t2d)",
+                        description="Count loss-masked tokens of the prepared train split; keep the N most "
+                        "frequent (ties by lower id, padded with the lowest unused ids), sorted ascending.")
+    b.add_argument("--data", type=Path, required=True, help="prepared data directory")
+    b.add_argument("--size", type=int, default=None, help=f"draft vocabulary size N (default min({DEFAULT_SIZE}, V))")
+    b.add_argument("--out", type=Path, required=True, help="output file (vocab.safetensors)")
+    b.add_argument("--target", default=None, help="target (default: the one named in the data manifest)")
+    b.add_argument("--force", action="store_true", help="overwrite --out")
+    add_json_flag(b)
+    b.set_defaults(func=run_build)
+    c = vsub.add_parser("compare", help="overlap of two vocab files or drafter checkpoints",
+                        description="A and B: vocab files or drafter checkpoint directories. Reports positions "
+                        "where draft id i means the same target id, the target-id overlap, the share of B's "
+                        "draft ids that A can serve after a permutation, and coverage of --data.")
+    c.add_argument("a", type=Path)
+    c.add_argument("b", type=Path)
+    c.add_argument("--data", type=Path, default=None, help="prepared data for coverage figures")
+    add_json_flag(c)
+    c.set_defaults(func=run_compare)
+    r = vsub.add_parser("remap", help="carry a drafter's lm_head rows to another draft vocabulary",
+                        description="Rows of tokens in both vocabularies are carried by target id; rows of new "
+                        "tokens start from the target's lm_head rows when the drafter's hidden size equals "
+                        "the target's, else zero. d2t/t2d and config draft_vocab_size are replaced.")
+    r.add_argument("--drafter", type=Path, required=True, help="drafter checkpoint directory")
+    r.add_argument("--to", type=Path, required=True, help="new vocab file")
+    r.add_argument("--target", required=True, help="the drafter's target")
+    r.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
+    r.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_json_flag(r)
+    r.set_defaults(func=run_remap)
+
+
+# ---------------------------------------------------------------- build
+
+
+def supervised_counts(records: list, vocab_size: int) -> torch.Tensor:
+    """Token counts [V] over loss-masked positions of `records` (one bincount)."""
+    if not records:
+        return torch.zeros(vocab_size, dtype=torch.long)
+    ids = torch.tensor([t for r in records for t in r.input_ids], dtype=torch.long)
+    mask = torch.tensor([m for r in records for m in r.loss_mask], dtype=torch.long)
+    return core.count_tokens(ids, mask, vocab_size)
+
+
+def _target_for(data: Path, manifest: dict, spec: str | None) -> Path:
+    spec = spec or manifest.get("target")
+    if not spec:
+        raise EyasError(f"--data {data}: its manifest names no target; pass --target")
+    return targets.resolve(spec)
+
+
+def build(data: Path, size: int | None, out: Path, target: str | None = None, force: bool = False) -> dict:
+    """Build and write the draft vocabulary of the train split of `data`."""
+    if out.exists() and not force:
+        raise EyasError(f"--out {out} exists; pass --force to overwrite it")
+    manifest, records = fcap.read_prepared(data)
+    V = targets.load_config(_target_for(data, manifest, target)).vocab_size
+    n = min(DEFAULT_SIZE, V) if size is None else size
+    if not 0 < n <= V:
+        raise EyasError(f"--size {n} must lie in 1..{V} (the target vocabulary size)")
+    train = [r for r in records if r.split == "train"]
+    counts = supervised_counts(train, V)
+    d2t, t2d = core.build_from_counts(counts, n)
+    cov = core.coverage(core.target_ids(d2t), counts)
+    meta = {"tokenizer_fingerprint": manifest.get("tokenizer_fingerprint", ""),
+            "supervised_tokens": int(counts.sum()), "distinct_tokens": int((counts > 0).sum()),
+            "coverage": round(cov, 6), "data_split": "train", "data": str(Path(data).resolve())}
+    fvocab.save_vocab(out, fvocab.VocabMap(d2t, t2d, meta))
+    return {"out": str(out), "draft_size": n, "target_size": V, **{k: meta[k] for k in
+            ("supervised_tokens", "distinct_tokens", "coverage")}}
+
+
+def run_build(args) -> int:
+    s = build(args.data, args.size, args.out, args.target, args.force)
+    emit(args, s, f"draft vocabulary {s['draft_size']} of {s['target_size']} ids: covers {s['coverage']:.2%} of "
+         f"{s['supervised_tokens']} supervised tokens ({s['distinct_tokens']} distinct) -> {s['out']}")
+    return 0
+
+
+# ---------------------------------------------------------------- compare
+
+
+def compare(a: Path, b: Path, data: Path | None = None) -> dict:
+    va, vb = fvocab.load_any(a), fvocab.load_any(b)
+    if va.target_size != vb.target_size:
+        raise EyasError(f"{a} maps into {va.target_size} target ids, {b} into {vb.target_size}; they belong to "
+                        "different targets and cannot be compared")
+    counts = None
+    if data is not None:
+        _, records = fcap.read_prepared(data)
+        counts = supervised_counts(records, va.target_size)
+    return {"a": str(a), "b": str(b), **core.compare_maps(va.target_ids, vb.target_ids, counts)}
+
+
+def run_compare(args) -> int:
+    s = compare(args.a, args.b, args.data)
+    lines = [f"A {s['a']}: {s['size_a']} draft ids", f"B {s['b']}: {s['size_b']} draft ids",
+             f"same target id at the same draft position: {s['same_position']} of {min(s['size_a'], s['size_b'])}",
+             f"target ids in both: {s['overlap']}",
+             f"share of B's draft ids that A can serve after a permutation: {s['b_served_by_a']:.2%}"]
+    if "coverage_a" in s:
+        lines.append(f"coverage of the data: A {s['coverage_a']:.2%}, B {s['coverage_b']:.2%}")
+    if s["identical"]:
+        lines.append("the two mappings are identical")
+    elif s["permutation"]:
+        lines.append("same token set in a different order: lm_head rows must be permuted (eyas vocab remap)")
+    emit(args, s, "\n".join(lines))
+    return 0
+
+
+# ---------------------------------------------------------------- remap
+
+
+def _target_head(path: Path) -> torch.Tensor:
+    model, _ = targets.load(path)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise EyasError(f"target {path} has no output embeddings (lm_head); cannot seed new rows")
+    return head.weight.detach().float()
+
+
+def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) -> dict:
+    """Write `out`: `drafter` with its lm_head carried to the vocabulary in `to`."""
+    if out.exists() and any(out.iterdir()) and not force:
+        raise EyasError(f"--out {out} exists and is not empty; pass --force or choose another path")
+    old = fvocab.read_checkpoint_vocab(drafter)
+    path = targets.resolve(target)
+    V = targets.load_config(path).vocab_size
+    if old["t2d"].numel() != V:
+        raise EyasError(f"drafter {drafter} maps into {old['t2d'].numel()} target ids but target {path} has {V}; "
+                        "pass the drafter's own target")
+    new = fvocab.load_vocab(to, target_size=V)
+    head = _target_head(path)  # (V, H_target)
+    w = old["lm_head.weight"]
+    same_h = w.shape[1] == head.shape[1]
+    fallback = head[new.target_ids] if same_h else None
+    weight, carried = core.remap_rows(w, core.target_ids(old["d2t"]), new.target_ids, fallback)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fvocab.write_remapped_checkpoint(drafter, tmp, {"d2t": new.d2t, "t2d": new.t2d,
+                                                    "lm_head.weight": weight.to(w.dtype)})
+    _note_vocab(tmp, new)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return {"out": str(out), "rows": new.draft_size, "carried": carried, "new_rows": new.draft_size - carried,
+            "new_rows_from": "target lm_head" if same_h else "zeros (drafter hidden size differs from the target's)"}
+
+
+def _note_vocab(ckpt: Path, vm: fvocab.VocabMap) -> None:
+    """Keep eyas.json's vocabulary fingerprint in step with the new tensors, when present."""
+    f = ckpt / "eyas.json"
+    if f.is_file():
+        meta = json.loads(f.read_text())
+        meta["vocab_fingerprint"] = fvocab.vocab_fingerprint(vm.d2t, vm.target_size)
+        meta["draft_vocab_size"] = vm.draft_size
+        f.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def run_remap(args) -> int:
+    s = remap(args.drafter, args.to, args.target, args.out, args.force)
+    emit(args, s, f"carried {s['carried']} of {s['rows']} lm_head rows by target id; {s['new_rows']} new rows "
+         f"from {s['new_rows_from']} -> {s['out']}")
+    return 0
