@@ -8,6 +8,7 @@ stderr and their exit code (2 bad input, 1 findings); nothing else is caught.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
@@ -58,6 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(str(e).split())
         print(f"eyas {args.command}: error: {msg}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"eyas {args.command}: error: no space left on device while writing {e.filename or 'output'}; "
+              "free disk space (or choose another --out) and rerun the same command: finished shards and "
+              "checkpoints are kept", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"eyas {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

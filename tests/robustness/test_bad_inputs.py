@@ -426,7 +426,7 @@ CASES = [
 ]
 
 
-XFAIL = {'vbuild-samples-garbage': 'formats/data.read_samples: UnicodeDecodeError traceback on a non-UTF-8 train.jsonl (owner: data helper)', 'vbuild-target-mismatch': "stages/vocab.build: --target whose fingerprint differs from the data manifest's is accepted (exit 0) (owner: vocab helper)", 'train-init-config-wrong-type': 'formats/checkpoint.is_eyas_checkpoint: AttributeError traceback when config.json is a JSON list (owner: lead)', 'train-capture-shard-header-corrupt': 'train: a damaged capture shard is found only mid-run; RUN dir (run.json, metrics) is left behind (owner: stages/train.py, verify shards before creating --out)', 'train-capture-shard-truncated': 'train: a damaged capture shard is found only mid-run; RUN dir is left behind (owner: stages/train.py)', 'train-capture-shard-garbage': 'train: a damaged capture shard is found only mid-run; RUN dir is left behind (owner: stages/train.py)', 'train-capture-shard-missing': 'train: a missing capture shard is found only mid-run; RUN dir is left behind (owner: stages/train.py)'}
+XFAIL = {'train-capture-shard-header-corrupt': 'train: a damaged capture shard is found only mid-run; RUN dir (run.json, metrics) is left behind (owner: stages/train.py, verify shards before creating --out)', 'train-capture-shard-truncated': 'train: a damaged capture shard is found only mid-run; RUN dir is left behind (owner: stages/train.py)', 'train-capture-shard-garbage': 'train: a damaged capture shard is found only mid-run; RUN dir is left behind (owner: stages/train.py)', 'train-capture-shard-missing': 'train: a missing capture shard is found only mid-run; RUN dir is left behind (owner: stages/train.py)'}
 
 
 def _param(c: Case):

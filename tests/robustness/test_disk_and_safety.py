@@ -51,8 +51,6 @@ def _one_line_exit2(code, err, needles=("space", "disk", "enospc")):
     return lines[0]
 
 
-@pytest.mark.xfail(strict=True, reason="capture: OSError(ENOSPC) from the shard writer escapes as a traceback "
-                   "(owner: stages/capture.py write_shards / formats/capture.write_shard)")
 def test_capture_disk_full(healthy, tmp_path, cli, monkeypatch):
     import safetensors.torch as st
 

@@ -64,9 +64,13 @@ def write_shard(root: Path, k: int, tensors: dict[str, torch.Tensor], meta: dict
 
     final = root / shard_name(k)
     tmp = root / f".{final.name}.tmp"
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata=meta)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata=meta)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. ENOSPC: leave no partial file behind
+        raise
     os.replace(tmp, final)
     _fsync_dir(root)
     return final

@@ -69,9 +69,10 @@ def read_json(path: Path) -> dict:
 def is_eyas_checkpoint(ckpt: Path) -> bool:
     f = Path(ckpt) / "config.json"
     try:
-        return f.is_file() and json.loads(f.read_text()).get("format") == FORMAT
+        cfg = json.loads(f.read_text()) if f.is_file() else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         return False
+    return isinstance(cfg, dict) and cfg.get("format") == FORMAT
 
 
 def save_checkpoint(out: Path, drafter: Eagle3Drafter, meta: dict, dtype: torch.dtype | None = None) -> None:

@@ -211,10 +211,14 @@ def read_samples(dir: Path, split: str = "train") -> list[Sample]:
     if not path.is_file():
         raise EyasError(f"{path}: missing; re-run `eyas data prepare`")
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                samples.append(_parse_sample(line, path, lineno))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    samples.append(_parse_sample(line, path, lineno))
+    except UnicodeDecodeError as e:
+        raise EyasError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); the file is corrupt, "
+                        "re-run `eyas data prepare`") from e
     if len(samples) != manifest["counts"][split]:
         raise EyasError(f"{path}: {len(samples)} samples but manifest.json says {manifest['counts'][split]}; "
                         "the directory is incomplete, re-run `eyas data prepare`")

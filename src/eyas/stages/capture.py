@@ -163,8 +163,7 @@ def check_disk(out: Path, need: int, force: bool) -> None:
     while not probe.exists():
         probe = probe.parent
     free = shutil.disk_usage(probe).free
-    print(f"eyas capture: needs about {need / 1e9:.2f} GB on disk; {free / 1e9:.2f} GB free at {probe}",
-          file=sys.stderr)
+    log.info("needs about %.2f GB on disk; %.2f GB free at %s", need / 1e9, free / 1e9, probe)
     if need > free and not force:
         raise EyasError(f"--out {out}: about {need / 1e9:.2f} GB needed but only {free / 1e9:.2f} GB free; "
                         "free space, lower the sample count, split with --num-shards, or pass --force")

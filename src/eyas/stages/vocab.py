@@ -71,7 +71,12 @@ def _target_for(data: Path, manifest: dict, spec: str | None) -> Path:
     spec = spec or manifest.get("target")
     if not spec:
         raise EyasError(f"--data {data}: its manifest names no target; pass --target")
-    return targets.resolve(spec)
+    path = targets.resolve(spec)
+    want = manifest.get("target_fingerprint")
+    if want and targets.fingerprint(path) != want:
+        raise EyasError(f"--target {spec} (fingerprint {targets.fingerprint(path)}) is not the target --data {data} "
+                        f"was prepared with (fingerprint {want}); pass that target or re-run `eyas data prepare`")
+    return path
 
 
 def build(data: Path, size: int | None, out: Path, target: str | None = None, force: bool = False) -> dict:
