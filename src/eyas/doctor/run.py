@@ -1,0 +1,125 @@
+"""Wiring of the doctor's checks into one report (no argument parsing, no printing)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyas.doctor import dynamic, static, vocab_check, with_target
+from eyas.doctor.findings import INFO, Report, make
+from eyas.doctor.reading import detect_layout, engine_views, read_raw
+
+log = logging.getLogger(__name__)
+ALL_ENGINES = ("sglang", "vllm", "speculators")
+# Engines that serve a layout as it is. With `--engine all`, problems under the other engines
+# are warnings (the checkpoint is converted before it is served there); naming an engine
+# with `--engine` makes its problems errors.
+NATIVE = {"eyas": (), "sglang": ("sglang",), "eagle": ("sglang",), "vllm": ("vllm",),
+          "speculators": ("speculators", "vllm")}
+
+
+@dataclass
+class DoctorOptions:
+    ckpt: Path
+    target: str | None = None
+    engines: tuple[str, ...] = ALL_ENGINES
+    explicit_engine: bool = False
+    data: Path | None = None
+    against: Path | None = None
+    prompts: list[Path] | None = None
+    num_prompts: int = 8
+    new_tokens: int = 32
+    steps: int = 5
+    decode: bool = True  # also decode for real through eyas.runtime (cross-check)
+
+
+def diagnose(opt: DoctorOptions) -> Report:
+    raw = read_raw(opt.ckpt)
+    layout = detect_layout(raw)
+    rep = Report(str(opt.ckpt), layout)
+    rep.add(make("EYAS-LAYOUT", f"layout {layout}; weights {raw.weights_file.name}; {len(raw.tensors)} tensors",
+                 evidence={"layout": layout, "weights": str(raw.weights_file)}))
+    if layout == "unknown":
+        rep.add(make("EYAS-LAYOUT-UNKNOWN", "no midlayer.* / layers.0.* / fc.weight keys: not an EAGLE-3 drafter",
+                     evidence={"keys": sorted(raw.tensors)[:10]}, cause="the directory holds another kind of model.",
+                     fix="pass an EAGLE-3 drafter checkpoint directory"))
+        return rep
+    views = engine_views(raw, layout, list(opt.engines))
+    strict = set(opt.engines) if opt.explicit_engine else set(NATIVE.get(layout, ()))
+    rep.measurements["engines"] = {e: _view_summary(r) for e, r in views.items()}
+    rep.extend(static.check_finite(raw))
+    rep.extend(static.check_shapes(raw, layout))
+    rep.extend(static.check_vocab_maps(raw))
+    rep.extend(static.check_init(raw, layout))
+    rep.extend(static.check_dtypes(raw))
+    if layout == "eyas":
+        rep.add(make("EYAS-LAYOUT", "eyas layout: engines read it after `eyas export --to ENGINE`; engine key and "
+                     "aux-id checks apply to the export", severity=INFO))
+    else:
+        fs = static.check_keys(raw, views) + static.check_engine_errors(views) + static.check_aux(raw, layout, views)
+        rep.extend(_soften(fs, strict, layout))
+    if opt.against:
+        rep.extend(vocab_check.against(raw, opt.against))
+    if opt.data:
+        fs, meas = vocab_check.against_data(raw, opt.data)
+        rep.extend(fs)
+        rep.measurements["vocab_vs_data"] = meas
+    if opt.target:
+        _with_target(rep, raw, layout, views, opt, strict)
+    return rep
+
+
+def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, strict: set[str]) -> None:
+    from eyas import targets
+
+    tdir = targets.resolve(opt.target)
+    tf = with_target.target_facts(tdir)
+    rep.measurements["target"] = {"path": str(tdir), **tf}
+    rep.extend(with_target.check_sizes(raw, layout, tf))
+    rep.extend(_soften(with_target.check_aux_against_target(rep, raw, layout, views if layout != "eyas" else {}, tf),
+                       strict, layout))
+    if layout == "eyas":
+        rep.extend(with_target.check_arch(tf["architecture"], list(opt.engines)))
+    sizes_ok = not rep.has("EYAS-VOCAB-SIZE")
+    need_model = "embed_tokens.weight" in raw.canonical() or opt.prompts or opt.data
+    if not need_model:
+        return
+    model, tok = targets.load(tdir, "fp32")
+    emb = with_target.check_embedding(raw, model.get_input_embeddings().weight.detach())
+    if "embed_tokens.weight" in raw.canonical() and not emb:  # equal to the target's: not random
+        rep.findings = [f for f in rep.findings if f.id != "EYAS-EMBED-RANDOM"]
+    rep.extend(emb)
+    if not (opt.prompts or opt.data):
+        return
+    if not sizes_ok:
+        rep.measurements["dynamic"] = "skipped: the checkpoint does not fit this target (EYAS-VOCAB-SIZE)"
+        return
+    if opt.prompts:
+        prompts = dynamic.prompt_ids_from_files(tok, opt.prompts, opt.num_prompts)
+    else:
+        prompts = dynamic.prompt_ids_from_data(opt.data, opt.num_prompts)
+    fs, meas = dynamic.run_dynamic(raw, layout, views, model, tok, prompts, opt.new_tokens, opt.steps)
+    rep.extend(_soften(fs, strict, layout))
+    if meas and opt.decode:
+        meas["decode"] = dynamic.decode_acceptance(opt.ckpt, model, tdir, layout, list(opt.engines), prompts,
+                                                   opt.new_tokens, opt.steps)
+    rep.measurements["dynamic"] = meas
+
+
+def _soften(fs: list, strict: set[str], layout: str) -> list:
+    """Engine findings for engines that do not serve this layout as is become warnings."""
+    for f in fs:
+        if f.engine and f.engine.endswith("(2026+)") and f.severity == "error":
+            f.severity = "warning"  # only under newer SGLang versions (see EYAS-AUX-VERSION-DEPENDENT)
+            f.message = "(newer SGLang only) " + f.message
+        elif f.engine and f.engine not in strict and f.severity == "error":
+            f.severity = "warning"
+            f.message = f"(not a {layout}-layout engine; convert first) " + f.message
+    return fs
+
+
+def _view_summary(r) -> dict:
+    return {"missing": list(r.missing), "skipped": list(r.skipped), "aux_layer_ids_hf": r.aux_layer_ids_hf,
+            "aux_alt_hf": getattr(r, "aux_alt_hf", None), "use_aux": r.use_aux, "notes": list(r.notes),
+            "errors": list(getattr(r, "errors", []) or [])}

@@ -1,0 +1,130 @@
+"""Checks that need the target: vocabulary and hidden sizes, the shipped embedding, aux ids
+against the target's depth under each engine's convention, and whether each engine can
+capture aux states for the target's architecture at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.doctor.findings import INFO, WARNING, Finding, Report, make
+from eyas.doctor.reading import EngineReading, RawCheckpoint, intended_aux_ids
+from eyas.doctor.static import CONVERT, _dims, cfg_get
+
+# Architectures whose target model implements EAGLE-3 aux capture, per engine.
+# SGLang: models defining `set_eagle3_layers_to_capture` (python/sglang/srt/models/);
+# vLLM: models implementing `SupportsEagle3` (vllm/model_executor/models/).
+# Checked on 2026-11-29 with the code search index: sglang llama.py at commit 00239548f1cd
+# (LlamaForCausalLM, and its subclasses Phi3ForCausalLM, InternLM3ForCausalLM; the `+1`
+# rule); vllm llama.py at e06c9ba2a6ea. The other entries are recalled from the engines'
+# sources and marked so; re-check them before relying on a "not supported" answer.
+ARCH_SUPPORT = {
+    "sglang": {
+        "checked": "2026-11-29; sgl-project/sglang python/sglang/srt/models/llama.py@00239548f1cd "
+                   "(verified); others recalled",
+        "archs": {"LlamaForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "MistralForCausalLM",
+                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                  "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
+                  "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM", "KimiK25ForConditionalGeneration"},
+    },
+    "vllm": {
+        "checked": "2026-11-29; vllm-project/vllm vllm/model_executor/models/llama.py@e06c9ba2a6ea "
+                   "(verified); others recalled",
+        "archs": {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                  "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM", "MiniMaxM2ForCausalLM",
+                  "Llama4ForConditionalGeneration"},
+    },
+    # speculators trains/serves through vLLM's loader, so it shares vLLM's list.
+    "speculators": {"checked": "same as vllm (speculators checkpoints are served by vLLM)", "archs": None},
+}
+
+
+def target_facts(target_dir) -> dict:
+    from eyas import targets
+
+    cfg = targets.load_config(target_dir)
+    return {"num_layers": int(cfg.num_hidden_layers), "hidden_size": int(cfg.hidden_size),
+            "vocab_size": int(cfg.vocab_size), "architecture": (getattr(cfg, "architectures", None) or ["?"])[0]}
+
+
+def check_sizes(raw: RawCheckpoint, layout: str, tf: dict) -> list[Finding]:
+    d, c, out = _dims(raw.canonical()), raw.config, []
+    V = cfg_get(c, "vocab_size") or d["t2d"]
+    aux, _ = intended_aux_ids(raw, layout)
+    n_aux = len(aux) if aux else 3
+    Ht = cfg_get(c, "target_hidden_size") or d["H"]
+    pairs = [("vocab_size", V, tf["vocab_size"]), ("target_hidden_size", Ht, tf["hidden_size"])]
+    if d["fc_in"]:
+        pairs.append(("fc input (aux x hidden)", d["fc_in"], n_aux * tf["hidden_size"]))
+    if d["H"] and "embed_tokens.weight" not in raw.canonical():
+        pairs.append(("drafter hidden (shares the target's embedding)", d["H"], tf["hidden_size"]))
+    for what, got, want in pairs:
+        if got is not None and int(got) != int(want):
+            out.append(make("EYAS-VOCAB-SIZE", f"{what} is {got}, the target has {want}",
+                            evidence={"what": what, "checkpoint": got, "target": want},
+                            cause="the drafter was built for another target (or another tokenizer).",
+                            fix="train or convert a drafter for this target (eyas train --target ...)"))
+    return out
+
+
+def check_embedding(raw: RawCheckpoint, target_embed: torch.Tensor) -> list[Finding]:
+    emb = raw.canonical().get("embed_tokens.weight")
+    if emb is None:
+        return []
+    if tuple(emb.shape) != tuple(target_embed.shape):
+        return [make("EYAS-EMBED-RANDOM", f"shipped embed_tokens {tuple(emb.shape)} != target's "
+                     f"{tuple(target_embed.shape)}", evidence={"shape": list(emb.shape)},
+                     cause="the embedding belongs to another model.",
+                     fix="drop embed_tokens.weight or copy the target's (eyas convert)")]
+    a, b = emb.float(), target_embed.float()
+    diff = float((a - b).abs().max())
+    scale = float(b.abs().max()) or 1.0
+    if diff <= 1e-2 * scale:  # bf16 round trips stay well inside 1%
+        return []
+    cos = float(torch.nn.functional.cosine_similarity(a, b, dim=1).mean())
+    return [make("EYAS-EMBED-RANDOM", f"shipped embed_tokens differs from the target's (max |diff| {diff:.3g}, "
+                 f"mean row cosine {cos:.3f})", evidence={"max_abs_diff": diff, "mean_row_cosine": cos},
+                 cause="engines that load a shipped embedding (vLLM) feed the drafter wrong token vectors.",
+                 fix="drop embed_tokens.weight from the file or replace it with the target's (eyas convert)")]
+
+
+def check_aux_against_target(report: Report, raw: RawCheckpoint, layout: str,
+                             views: dict[str, EngineReading], tf: dict) -> list[Finding]:
+    L, out = tf["num_layers"], []
+    default = [2, L // 2, L - 3]
+    intended, _ = intended_aux_ids(raw, layout)
+    for f in report.findings:  # the default is what the author meant: not an error
+        if f.id != "EYAS-AUX-IDS-MISSING":
+            continue
+        f.evidence["default_hf"] = default
+        if intended is None or intended == default:
+            f.severity = INFO if intended == default else WARNING
+            f.message += f" = {default} for this target" + (", which is what it was trained on" if intended else "")
+        else:
+            f.message += f" = {default} for this target, but it was trained on {intended}"
+    for e, r in views.items():
+        ids = r.aux_layer_ids_hf or default
+        bad = [i for i in ids + (r.aux_alt_hf or []) if not 0 <= i <= L]
+        if bad:
+            out.append(make("EYAS-AUX-IDS-OUT-OF-RANGE", f"{e} would capture hidden_states {ids}; the target has "
+                            f"indices 0..{L}", engine=e, evidence={"engine_hf": ids, "num_layers": L, "bad": bad},
+                            cause="the ids were written for a deeper model or in another convention.",
+                            fix=CONVERT.format(ckpt=raw.path, engine=e)))
+    out += check_arch(tf["architecture"], list(views))
+    return out
+
+
+def check_arch(arch: str, engines: list[str]) -> list[Finding]:
+    out = []
+    for e in engines:
+        entry = ARCH_SUPPORT.get(e) or {}
+        archs = entry.get("archs") if entry.get("archs") is not None else ARCH_SUPPORT["vllm"]["archs"]
+        ok = arch in archs
+        out.append(make("EYAS-ARCH-UNSUPPORTED" if not ok else "EYAS-ARCH-SUPPORTED",
+                        f"{e}: {'no ' if not ok else ''}EAGLE-3 aux capture for {arch} in the checked list",
+                        severity=WARNING if not ok else INFO, engine=e,
+                        evidence={"architecture": arch, "list_checked": entry.get("checked")},
+                        cause="" if ok else f"without aux capture {e} feeds the drafter the H-wide last state "
+                        "and skips fc silently (acceptance near chance).",
+                        fix="" if ok else f"check {e}'s model file for the target; add aux capture there first"))
+    return out
