@@ -1,0 +1,285 @@
+"""Speculative decoding as pure tensor functions: drafting (chain and EAGLE-2 dynamic
+trees), the tree attention mask, the acceptance rules (greedy and lossless sampling), and
+KV-cache compaction. No model loading, no I/O; `eyas.runtime` wires models into these.
+
+Indexing (batch size 1). The committed context is x[0..n-1] (in the target's KV cache) plus
+one *pending* token x[n] (sampled, not yet seen by the target). A verification step feeds the
+target a tree whose root is x[n] at position n and whose node at depth d sits at position n+d.
+
+The drafter's KV cache holds one step-0 entry per committed index t: state from the target's
+aux features at t and the embedding of x[t+1], position t (DESIGN 5, core/ttt.py). The entry
+at n-1 predicts x[n+1], i.e. the depth-1 candidates. Expanding a depth-d node runs the drafter
+at position n-1+d on (next_input(parent's output), embedding of the node's token); those
+entries attend to the committed entries plus their own ancestors' entries, exactly the
+training-time-test pattern, and are discarded after verification.
+
+The drafter seen by this module is the small `DraftModel` protocol below, so stub drafters
+(always right, always wrong) are a dozen lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+NEG = float("-inf")
+
+
+class DraftModel(Protocol):
+    """What drafting needs from a drafter. Logits are over the draft vocabulary;
+    `target_ids[i]` is the target id of draft id i."""
+
+    target_ids: torch.Tensor  # (N,) long
+    vocab_size: int  # the target's vocabulary V (sampling builds q over it)
+
+    def reset(self, capacity: int) -> None:
+        """Start a new sequence with room for `capacity` entries."""
+
+    def truncate(self, n: int) -> None:
+        """Drop every cache entry at index >= n (the tree entries of the last step)."""
+
+    def extend(self, feats: torch.Tensor, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append committed step-0 entries for indices start..start+T-1 from target features
+        (T, F) and next tokens (T,); return (logits (N,), next-step state (S,)) of the last."""
+
+    def step(self, states: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             allow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run m tree entries (states (m, S), tokens (m,), positions (m,)) appended after the
+        existing tree entries; `allow` (m, R+m) bool says which tree entries (earlier R and
+        these m) each may attend to (committed entries are always visible).
+        Return (logits (m, N), next-step states (m, S))."""
+
+
+# ---------------------------------------------------------------- trees
+
+
+@dataclass
+class Tree:
+    """A draft tree in verification order (parents before children). Node 0 is the root,
+    the pending token. `parents[0] == -1`; `depth[i]` = distance from the root."""
+
+    tokens: torch.Tensor  # (T,) long, target ids
+    parents: torch.Tensor  # (T,) long
+    depth: torch.Tensor  # (T,) long
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents[1:] == torch.arange(len(self) - 1)).all())
+
+
+def chain_tree(root: int, drafts: torch.Tensor) -> Tree:
+    """The chain root -> drafts[0] -> drafts[1] ... as a tree."""
+    T = drafts.shape[0] + 1
+    tokens = torch.cat([torch.tensor([root], dtype=torch.long), drafts.long().cpu()])
+    return Tree(tokens, torch.arange(-1, T - 1), torch.arange(T))
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """(T, T) bool: [i, j] true iff j is i or an ancestor of i. Parents precede children."""
+    T = parents.shape[0]
+    allow = torch.eye(T, dtype=torch.bool)
+    for i in range(1, T):  # T is a few dozen at most: one row copy per node
+        allow[i] |= allow[int(parents[i])]
+    return allow
+
+
+def tree_mask(tree: Tree, prefix: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Additive 4D attention mask (1, 1, T, prefix+T) for verifying `tree` after a cache of
+    `prefix` tokens: every node sees the whole prefix, itself and its ancestors."""
+    T = len(tree)
+    allow = torch.ones(T, prefix + T, dtype=torch.bool)
+    allow[:, prefix:] = ancestor_matrix(tree.parents)
+    mask = torch.zeros(T, prefix + T, dtype=dtype)
+    mask.masked_fill_(~allow, torch.finfo(dtype).min)
+    return mask.to(device)[None, None]
+
+
+def draft_chain(model: DraftModel, root_logits: torch.Tensor, root_state: torch.Tensor, n: int, k: int,
+                pick: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, list]:
+    """k drafts in a chain. `pick(logits (N,)) -> (draft id, q or None)`: argmax for greedy,
+    a sample plus its distribution for speculative sampling. Returns target ids (k,) and the
+    per-draft q (target vocabulary) or Nones."""
+    ids, qs = [], []
+    logits, state = root_logits, root_state
+    allow = torch.ones(1, 1, dtype=torch.bool)
+    for i in range(k):
+        d, q = pick(logits)
+        ids.append(d)
+        qs.append(q)
+        if i == k - 1:
+            break
+        tok = model.target_ids[d].view(1)
+        logits, state = model.step(state.view(1, -1), tok, torch.tensor([n + i], device=tok.device), allow)
+        logits, state = logits[0], state[0]
+        allow = torch.ones(1, i + 2, dtype=torch.bool)
+    drafts = model.target_ids[torch.stack(ids)]
+    return drafts, qs
+
+
+def draft_tree(model: DraftModel, root_token: int, root_logits: torch.Tensor, root_state: torch.Tensor,
+               n: int, topk: int, depth: int, budget: int) -> Tree:
+    """EAGLE-2 dynamic tree (Li et al. 2024, sec. 4): expand the top-k children of each of the
+    top-k frontier nodes per level (scored by cumulative draft log-probability), keep every
+    expansion as a candidate, then re-rank all candidates and keep the best `budget - 1`
+    (plus the root). A parent always scores at least its child, so the kept set is closed
+    under ancestors (ties go to the shallower node)."""
+    dev = root_logits.device
+    logp = torch.log_softmax(root_logits.float(), -1)
+    score, ids = logp.topk(min(topk, logp.shape[-1]))  # (k,)
+    cand_tok = [model.target_ids[ids]]
+    cand_score, cand_parent, cand_depth = [score], [torch.full_like(ids, -1)], [torch.ones_like(ids)]
+    front = torch.arange(ids.shape[0], device=dev)  # candidate indices of the frontier
+    front_state = root_state.expand(ids.shape[0], -1)
+    front_rows = None  # (k, R) ancestor rows of the frontier in the drafter's tree region
+    offset = ids.shape[0]
+    R = 0
+    for d in range(1, depth):
+        m = front.shape[0]
+        allow = torch.zeros(m, R + m, dtype=torch.bool, device=dev)
+        if front_rows is not None:
+            allow[:, :R] = front_rows
+        allow[:, R:] = torch.eye(m, dtype=torch.bool, device=dev)
+        toks = torch.cat(cand_tok)[front]
+        pos = torch.full((m,), n - 1 + d, dtype=torch.long, device=dev)
+        logits, states = model.step(front_state, toks, pos, allow)
+        logp = torch.log_softmax(logits.float(), -1)  # (m, N)
+        s, i = logp.topk(min(topk, logp.shape[-1]), dim=-1)  # (m, k)
+        s = s + torch.cat(cand_score)[front][:, None]
+        kk = s.shape[1]
+        cand_tok.append(model.target_ids[i.reshape(-1)])
+        cand_score.append(s.reshape(-1))
+        cand_parent.append(front.repeat_interleave(kk))
+        cand_depth.append(torch.full((m * kk,), d + 1, dtype=torch.long, device=dev))
+        best = s.reshape(-1).topk(min(topk, m * kk)).indices  # next frontier, local to this level
+        front_rows = allow[best // kk]
+        front_state = states[best // kk]
+        front = offset + best
+        offset += m * kk
+        R += m
+    return _select(root_token, torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent),
+                   torch.cat(cand_depth), budget)
+
+
+def _select(root: int, tok, score, parent, depth, budget: int) -> Tree:
+    """Keep the best budget-1 candidates, order them by (depth, score) and renumber parents.
+    Candidates arrive in depth order, so stable sorts break score ties towards the shallower
+    node (an ancestor always precedes its descendants)."""
+    tok, score, parent, depth = tok.cpu(), score.cpu(), parent.cpu(), depth.cpu()
+    n = min(budget - 1, tok.shape[0])
+    best = torch.sort(score, descending=True, stable=True).indices[:n]
+    keep = best[torch.sort(depth[best], stable=True).indices]  # by depth, then score
+    new_index = torch.full((tok.shape[0] + 1,), -1, dtype=torch.long)  # last slot: the root (-1)
+    new_index[-1] = 0
+    new_index[keep] = torch.arange(1, n + 1)
+    parents = new_index[parent[keep]]
+    assert bool((parents >= 0).all()), "selected tree is not ancestor-closed"
+    tokens = torch.cat([torch.tensor([root]), tok[keep]]).long()
+    return Tree(tokens, torch.cat([torch.tensor([-1]), parents]), torch.cat([torch.tensor([0]), depth[keep]]).long())
+
+
+# ---------------------------------------------------------------- acceptance
+
+
+def children_table(tree: Tree) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in range(len(tree))]
+    for i in range(1, len(tree)):
+        kids[int(tree.parents[i])].append(i)
+    return kids
+
+
+def accept_greedy(tree: Tree, target_logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy verification: from the root, follow the child whose token is the target's
+    argmax at the current node; stop where none is. Returns (accepted path of node indices,
+    starting with the root; the target's own next token after the path)."""
+    best = target_logits.argmax(-1).tolist()  # (T,)
+    tokens = tree.tokens.tolist()
+    kids = children_table(tree)
+    path = [0]
+    while True:
+        nxt = next((c for c in kids[path[-1]] if tokens[c] == best[path[-1]]), None)
+        if nxt is None:
+            return path, best[path[-1]]
+        path.append(nxt)
+
+
+def recursive_reject(p: torch.Tensor, cands: list[int], qs: list[torch.Tensor | None],
+                     gen: torch.Generator | None) -> tuple[int | None, int | None]:
+    """Multi-draft speculative sampling at one node (SpecInfer, Miao et al. 2024, alg. 2;
+    Leviathan et al. 2023 for one draft). Candidate c_i was drawn from q_i; accept it with
+    probability min(1, p(c_i) / q_i(c_i)); on rejection p <- norm(max(p - q_i, 0)) and try the
+    next. A candidate chosen deterministically (top-k tree) has q_i = one-hot(c_i): accepted
+    with probability p(c_i), and rejection just removes c_i from p. The token that comes out
+    (accepted candidate, or a draw from the final residual) is distributed exactly as p.
+    Returns (index of the accepted candidate, None) or (None, token drawn from the residual)."""
+    p = p.float().clone()
+    for i, (c, q) in enumerate(zip(cands, qs)):
+        qc = 1.0 if q is None else float(q[c])
+        u = float(torch.rand((), generator=gen))
+        if qc > 0 and u * qc < float(p[c]):
+            return i, None
+        if q is None:
+            p[c] = 0.0
+        else:
+            p = (p - q.float()).clamp_min_(0.0)
+        total = p.sum()
+        if total <= 0:  # p == q up to rounding: acceptance was certain; fall back to p's mode
+            return i, None
+        p /= total
+    return None, int(torch.multinomial(p, 1, generator=gen))
+
+
+def accept_sampling(tree: Tree, target_probs: torch.Tensor, qs: dict[int, torch.Tensor] | None,
+                    gen: torch.Generator | None) -> tuple[list[int], int]:
+    """Lossless verification of a tree (or chain) by recursive rejection sampling, node by node
+    from the root. `target_probs` (T, V): the target's sampling distribution at each node.
+    `qs[i]`: the distribution node i was sampled from (chain sampling); absent = deterministic."""
+    kids = children_table(tree)
+    tokens = tree.tokens.tolist()
+    path = [0]
+    while True:
+        node = path[-1]
+        cands = kids[node]
+        idx, tok = recursive_reject(target_probs[node], [tokens[c] for c in cands],
+                                    [None if qs is None else qs.get(c) for c in cands], gen)
+        if idx is None:
+            return path, tok
+        path.append(cands[idx])
+
+
+# ---------------------------------------------------------------- distributions
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution decoding samples from: softmax(logits / T), restricted to the top-p
+    nucleus (smallest set of most likely tokens with mass >= top_p) and renormalised."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(-1)
+    drop = cum - sorted_p >= top_p  # tokens entirely beyond the nucleus
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+    return out / out.sum(-1, keepdim=True)
+
+
+def draft_distribution(draft_logits: torch.Tensor, target_ids: torch.Tensor, vocab: int,
+                       temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """The drafter's distribution over the target vocabulary (zero outside the draft vocab)."""
+    q = sampling_probs(draft_logits, temperature, top_p)
+    return torch.zeros(vocab, dtype=q.dtype, device=q.device).index_add_(0, target_ids, q)
+
+
+# ---------------------------------------------------------------- KV compaction
+
+
+def compact_rows(buf: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """Move rows start+rows[j] to start+j along dim -2 (the accepted path after `start`)."""
+    if rows.numel() and not bool((rows == torch.arange(rows.numel(), device=rows.device)).all()):
+        src = buf.index_select(-2, rows.to(buf.device) + start)
+        buf[..., start:start + rows.numel(), :] = src

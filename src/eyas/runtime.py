@@ -1,0 +1,467 @@
+"""The decoding runtime: wires a target model, a drafter and their KV caches into the pure
+functions of `eyas.core.speculative`, times every forward, and emulates how a serving
+engine (SGLang, vLLM) would run a given checkpoint (`--engine`).
+
+Methods: `plain` (target alone, KV cache, one token per forward), `chain` (k drafts),
+`tree` (EAGLE-2 dynamic tree). Greedy (temperature 0) output of chain/tree is the target's
+own greedy output; with temperature > 0 they sample losslessly (core/speculative.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, DynamicLayer
+
+from eyas import targets
+from eyas.core import speculative as spec
+from eyas.core.drafter import Eagle3Drafter
+from eyas.errors import EyasError
+
+log = logging.getLogger(__name__)
+
+METHODS = ("plain", "chain", "tree")
+ENGINES = ("eyas", "sglang", "vllm")
+
+
+# ---------------------------------------------------------------- timing
+
+
+class Timer:
+    """Accumulates seconds spent in target and drafter forwards (synchronising CUDA)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.seconds = {"target": 0.0, "drafter": 0.0}
+
+    @contextlib.contextmanager
+    def __call__(self, which: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.seconds[which] += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.seconds = {"target": 0.0, "drafter": 0.0}
+
+
+# ---------------------------------------------------------------- target KV cache
+
+
+class PreallocLayer(DynamicLayer):
+    """A DynamicLayer that writes into one preallocated buffer instead of `torch.cat` per
+    step (no O(context) copy per token), and can be compacted in place."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        B, h, _, d = key_states.shape
+        self.kbuf = key_states.new_empty(B, h, self.capacity, d)
+        self.vbuf = value_states.new_empty(B, h, self.capacity, value_states.shape[-1])
+        self.is_initialized = True
+        self._view()
+
+    def _view(self) -> None:
+        self.keys = self.kbuf[..., : self.length, :]
+        self.values = self.vbuf[..., : self.length, :]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, T = self.length, key_states.shape[-2]
+        if n + T > self.capacity:
+            raise RuntimeError(f"KV cache capacity {self.capacity} exceeded ({n}+{T})")
+        self.kbuf[..., n:n + T, :] = key_states
+        self.vbuf[..., n:n + T, :] = value_states
+        self.length = n + T
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.length = max(0, self.length - abs(tokens_to_remove)) if tokens_to_remove < 0 else min(
+            self.length, tokens_to_remove)
+        if self.is_initialized:
+            self._view()
+
+    def compact(self, start: int, rows: torch.Tensor) -> None:
+        """Keep rows start+rows (in order) at start.., drop everything after them."""
+        if self.is_initialized:
+            spec.compact_rows(self.kbuf, start, rows)
+            spec.compact_rows(self.vbuf, start, rows)
+        self.length = start + rows.numel()
+        if self.is_initialized:
+            self._view()
+
+
+class TargetRunner:
+    """The target with a preallocated KV cache; each forward optionally returns the features
+    the drafter consumes (aux states, or the final-norm state when aux capture is off)."""
+
+    def __init__(self, model, aux_ids: list[int] | None, timer: Timer, use_aux: bool = True):
+        self.model, self.timer = model, timer
+        self.aux_ids = list(aux_ids or []) if use_aux else []
+        self.use_aux = use_aux
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.n_layers = len(targets.find_decoder_stack(model).layers)
+        self.cache: Cache | None = None
+
+    def reset(self, capacity: int) -> None:
+        self.cache = Cache(layers=[PreallocLayer(capacity) for _ in range(self.n_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.cache.layers[0].length
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+                features: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens/positions (T,) -> logits (T, V) and features (T, F) (or None)."""
+        kw = dict(input_ids=tokens.view(1, -1).to(self.device), position_ids=positions.view(1, -1).to(self.device),
+                  past_key_values=self.cache, use_cache=True)
+        if mask is not None:
+            kw["attention_mask"] = mask
+        with self.timer("target"):
+            if not features:
+                return self.model(**kw).logits[0], None
+            with targets.capture_aux(self.model, self.aux_ids) as cap:
+                logits = self.model(**kw).logits[0]
+                feats = cap.aux()[0] if self.aux_ids else cap.last[0]
+        return logits, feats
+
+    def compact(self, start: int, rows: torch.Tensor) -> None:
+        rows = rows.to(self.device)
+        for layer in self.cache.layers:
+            layer.compact(start, rows)
+
+
+# ---------------------------------------------------------------- drafter with its own KV cache
+
+
+class DrafterRunner:
+    """An `Eagle3Drafter` behind the `DraftModel` protocol, with a preallocated KV cache
+    (committed step-0 entries, then the current tree's entries).
+
+    `fuse`: "strict" (eyas: features must be n_aux*H wide, else error) or "engine" (SGLang /
+    vLLM: `if hidden.shape[-1] != embeds.shape[-1]: hidden = fc(hidden)`, so an H-wide final
+    state silently skips fc — the failure eyas exists to catch)."""
+
+    def __init__(self, drafter: Eagle3Drafter, timer: Timer, fuse: str = "strict",
+                 target_ids: torch.Tensor | None = None):
+        self.d, self.timer, self.fuse = drafter, timer, fuse
+        self.vocab_size = drafter.cfg.vocab_size  # the target's vocabulary
+        p = next(drafter.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        ids = torch.arange(drafter.cfg.draft_vocab_size, device=self.device) + drafter.d2t
+        self.target_ids = ids if target_ids is None else target_ids.to(self.device)
+        self.fc_calls = 0
+        cfg = drafter.cfg
+        self.nkv, self.hd = cfg.num_key_value_heads, cfg.head_dim
+        self.committed = 0
+        self.length = 0
+
+    def reset(self, capacity: int) -> None:
+        self.k = torch.empty(1, self.nkv, capacity, self.hd, dtype=self.dtype, device=self.device)
+        self.v = torch.empty_like(self.k)
+        self.committed = self.length = 0
+
+    def truncate(self, n: int) -> None:
+        self.committed = min(self.committed, n)
+        self.length = n
+
+    def _attend(self, mask: torch.Tensor):
+        def attend(q, k, v):
+            T = k.shape[2]
+            n = self.length
+            self.k[:, :, n:n + T] = k
+            self.v[:, :, n:n + T] = v
+            self.length = n + T
+            return F.scaled_dot_product_attention(q, self.k[:, :, :n + T], self.v[:, :, :n + T],
+                                                  attn_mask=mask, enable_gqa=True)
+        return attend
+
+    def _features(self, feats: torch.Tensor) -> torch.Tensor:
+        feats = feats.to(self.device, self.dtype)
+        if self.fuse == "engine" and feats.shape[-1] == self.d.embed_tokens.weight.shape[-1]:
+            return feats  # the engines' test is false: fc is skipped
+        self.fc_calls += 1
+        return self.d.fuse(feats)
+
+    def extend(self, feats: torch.Tensor, tokens: torch.Tensor, start: int):
+        assert start == self.length == self.committed, (start, self.length, self.committed)
+        T = tokens.shape[0]
+        mask = torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril_(start)
+        pos = torch.arange(start, start + T, device=self.device)
+        with self.timer("drafter"):
+            h = self._features(feats)[None]  # (1, T, H)
+            h = self.d.layer(h, tokens.view(1, -1).to(self.device), pos[None], self._attend(mask))
+            last = h[:, -1]
+            out = self.d.logits(last)[0], self.d.next_input(last)[0]
+        self.committed = self.length
+        return out
+
+    def step(self, states, tokens, positions, allow):
+        m = tokens.shape[0]
+        mask = torch.cat([torch.ones(m, self.committed, dtype=torch.bool, device=self.device),
+                          allow.to(self.device)], dim=1)
+        assert mask.shape[1] == self.length + m
+        with self.timer("drafter"):
+            h = self.d.layer(states[:, None], tokens.view(m, 1).to(self.device), positions.view(m, 1).to(self.device),
+                             self._attend_tree(mask))
+            h = h[:, 0]
+            return self.d.logits(h), self.d.next_input(h)
+
+    def _attend_tree(self, mask: torch.Tensor):
+        """Tree entries come as a batch of m rows with T=1; attend as one query block of m."""
+        inner = self._attend(mask)
+
+        def attend(q, k, v):  # (m, nh, 1, hd) -> one sequence of m queries
+            o = inner(q.transpose(0, 2), k.transpose(0, 2), v.transpose(0, 2))  # (1, nh, m, hd)
+            return o.transpose(0, 2)
+        return attend
+
+
+# ---------------------------------------------------------------- decoding
+
+
+@dataclass
+class DecodeSettings:
+    method: str = "chain"
+    k: int = 5
+    tree: tuple[int, int, int] = (8, 5, 32)  # topk, depth, total tokens (root included)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    eos_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step
+    wall_s: float = 0.0
+    target_s: float = 0.0
+    drafter_s: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accepted)
+
+
+def _finish(tokens: list[int], s: DecodeSettings) -> list[int]:
+    out = tokens[: s.max_new_tokens]
+    for i, t in enumerate(out):
+        if t in s.eos_ids:
+            return out[: i + 1]
+    return out
+
+
+def _done(tokens: list[int], s: DecodeSettings) -> bool:
+    return len(tokens) >= s.max_new_tokens or any(t in s.eos_ids for t in tokens[-(s.k + 64):])
+
+
+def _pick_target(logits: torch.Tensor, s: DecodeSettings, gen) -> int:
+    if s.temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(spec.sampling_probs(logits.cpu(), s.temperature, s.top_p), 1, generator=gen))
+
+
+@torch.inference_mode()
+def generate_plain(tr: TargetRunner, prompt: torch.Tensor, s: DecodeSettings) -> DecodeResult:
+    """The target alone, one token per forward, KV cache: the baseline every method is timed against."""
+    gen = torch.Generator().manual_seed(s.seed)
+    tr.timer.reset()
+    t0 = time.perf_counter()
+    n = prompt.shape[0]
+    tr.reset(n + s.max_new_tokens + 1)
+    logits, _ = tr.forward(prompt, torch.arange(n), features=False)
+    out = [_pick_target(logits[-1], s, gen)]
+    pos = torch.empty(1, dtype=torch.long)
+    tok = torch.empty(1, dtype=torch.long)
+    while not _done(out, s):
+        tok[0], pos[0] = out[-1], n + len(out) - 1
+        logits, _ = tr.forward(tok, pos, features=False)
+        out.append(_pick_target(logits[-1], s, gen))
+    return DecodeResult(_finish(out, s), wall_s=time.perf_counter() - t0, **_split(tr.timer))
+
+
+def _split(timer: Timer) -> dict:
+    return {"target_s": timer.seconds["target"], "drafter_s": timer.seconds["drafter"]}
+
+
+@torch.inference_mode()
+def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSettings) -> DecodeResult:
+    """Speculative decoding with `dr` (any `DraftModel`): prefill, then draft / verify /
+    accept / compact until max_new_tokens or EOS."""
+    gen = torch.Generator().manual_seed(s.seed)
+    tr.timer.reset()
+    t0 = time.perf_counter()
+    n = prompt.shape[0]
+    budget = s.k + 1 if s.method == "chain" else s.tree[2]
+    cap = n + s.max_new_tokens + budget + 2
+    tr.reset(cap)
+    dr.reset(cap)
+    logits, feats = tr.forward(prompt, torch.arange(n))
+    x = _pick_target(logits[-1], s, gen)
+    out, accepted = [x], []
+    root_logits, root_state = dr.extend(feats, torch.cat([prompt[1:], torch.tensor([x])]), 0)
+    while not _done(out, s):
+        tree, qs = _draft(dr, x, root_logits, root_state, n, s, gen)
+        mask = None if tree.is_chain else spec.tree_mask(tree, n, tr.dtype, tr.device)
+        logits, feats = tr.forward(tree.tokens, n + tree.depth, mask)
+        if s.temperature <= 0:
+            path, x = spec.accept_greedy(tree, logits)
+        else:
+            probs = spec.sampling_probs(logits.cpu(), s.temperature, s.top_p)
+            path, x = spec.accept_sampling(tree, probs, qs, gen)
+        rows = torch.tensor(path)
+        tr.compact(n, rows)
+        new = tree.tokens[rows[1:]].tolist() + [x]
+        out += new
+        accepted.append(len(path) - 1)
+        dr.truncate(n)
+        if not _done(out, s):
+            root_logits, root_state = dr.extend(feats[rows.to(feats.device)], torch.tensor(new), n)
+        n += len(path)
+    return DecodeResult(_finish(out, s), accepted, wall_s=time.perf_counter() - t0, **_split(tr.timer))
+
+
+def _draft(dr, root: int, root_logits, root_state, n: int, s: DecodeSettings, gen):
+    """One drafting phase -> (tree, {node: q} for sampled chain drafts or None)."""
+    if s.method == "tree":
+        topk, depth, budget = s.tree
+        return spec.draft_tree(dr, root, root_logits, root_state, n, topk, depth, budget), None
+    if s.temperature <= 0:
+        drafts, _ = spec.draft_chain(dr, root_logits, root_state, n, s.k, lambda lg: (lg.argmax(), None))
+        return spec.chain_tree(root, drafts), None
+    V = dr.vocab_size
+
+    def pick(lg):
+        qd = spec.sampling_probs(lg.cpu(), s.temperature, s.top_p)
+        d = torch.multinomial(qd, 1, generator=gen)[0]
+        q = torch.zeros(V).index_add_(0, dr.target_ids.cpu(), qd)
+        return d.to(lg.device), q
+
+    drafts, qs = spec.draft_chain(dr, root_logits, root_state, n, s.k, pick)
+    return spec.chain_tree(root, drafts), {i + 1: q for i, q in enumerate(qs)}
+
+
+def generate(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSettings) -> DecodeResult:
+    if s.method == "plain":
+        return generate_plain(tr, prompt, s)
+    if s.method not in METHODS:
+        raise EyasError(f"unknown decoding method {s.method!r}; use one of {', '.join(METHODS)}")
+    return generate_speculative(tr, dr, prompt, s)
+
+
+# ---------------------------------------------------------------- loading drafters, engine emulation
+
+
+@dataclass
+class LoadedDrafter:
+    drafter: Eagle3Drafter
+    aux_ids: list[int]
+    use_aux: bool
+    fuse: str
+    target_ids: torch.Tensor
+    engine: str
+    notes: list[str]
+    missing: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def load_drafter(ckpt: Path, target_model, engine: str = "eyas", dtype: torch.dtype = torch.float32,
+                 seed: int = 0, target_dir: Path | None = None) -> LoadedDrafter:
+    """The drafter as eyas runs it (`engine="eyas"`), or as SGLang / vLLM would load and feed it."""
+    from eyas.formats.checkpoint import load_checkpoint
+
+    emb = target_model.get_input_embeddings().weight
+    dev = emb.device
+    if engine == "eyas":
+        d, _ = load_checkpoint(Path(ckpt), target_embedding=emb.float())
+        _check_compat(d, target_model, ckpt)
+        d = d.to(dev, dtype).eval()
+        ids = torch.arange(d.cfg.draft_vocab_size, device=dev) + d.d2t
+        return LoadedDrafter(d, list(d.cfg.aux_layer_ids), True, "strict", ids, engine, [])
+    if engine not in ENGINES:
+        raise EyasError(f"--engine {engine!r}: use one of {', '.join(ENGINES)}")
+    try:
+        from eyas.formats.engines import engine_reading
+    except ImportError as e:
+        raise EyasError(f"--engine {engine}: engine emulation needs eyas.formats.engines ({e})") from e
+    reading = engine_reading(Path(ckpt), engine, target_dir)
+    if getattr(reading, "errors", None):
+        raise EyasError(f"--engine {engine}: the engine would refuse to start with {ckpt}: "
+                        + "; ".join(reading.errors))
+    return drafter_from_reading(reading, target_model, dtype, seed)
+
+
+def drafter_from_reading(reading, target_model, dtype: torch.dtype = torch.float32, seed: int = 0) -> LoadedDrafter:
+    """Build what an engine would run from an `EngineReading`: keys it finds are loaded, the
+    missing ones keep a (seeded) random init, d2t is read as that engine reads it, aux
+    states are captured at the engine's layer ids or not at all."""
+    emb = target_model.get_input_embeddings().weight
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(reading.config)
+    own = d.state_dict()
+    state = {k: v for k, v in reading.state.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+    misfit = sorted(k for k in reading.state if k in own and k not in state)
+    d.load_state_dict(state, strict=False)
+    d.load_target_embedding(emb.float())
+    d = d.to(emb.device, dtype).eval()
+    N, V = reading.config.draft_vocab_size, emb.shape[0]
+    raw = d.d2t
+    ids = raw if not reading.d2t_as_offsets else torch.arange(N, device=raw.device) + raw
+    ids = ids.clamp(0, V - 1)  # an engine would index out of range here; keep the emulation running
+    use_aux = bool(reading.use_aux)
+    aux = list(reading.aux_layer_ids_hf or []) if use_aux else []
+    notes = list(reading.notes)
+    if misfit:
+        notes.append(f"keys whose shape does not fit the engine's config stay random: {misfit[:6]}")
+    if not use_aux:
+        notes.append(f"{reading.engine} captures no aux states: the drafter gets the {emb.shape[1]}-wide final "
+                     "state, `hidden.shape[-1] != embeds.shape[-1]` is false and fc is skipped")
+    return LoadedDrafter(d, aux, use_aux, "engine", ids, reading.engine, notes,
+                         list(reading.missing), list(reading.skipped))
+
+
+def _check_compat(d: Eagle3Drafter, model, ckpt) -> None:
+    tcfg = targets.text_config(model.config)
+    V, H = model.get_input_embeddings().weight.shape
+    if d.cfg.vocab_size != V:
+        raise EyasError(f"drafter {ckpt}: vocab_size {d.cfg.vocab_size} != target's {V}; "
+                        "pass the drafter trained for this target")
+    if d.cfg.target_hidden_size != H:
+        raise EyasError(f"drafter {ckpt}: target_hidden_size {d.cfg.target_hidden_size} != target's {H}; "
+                        "pass the drafter trained for this target")
+    L = tcfg.num_hidden_layers
+    bad = [i for i in d.cfg.aux_layer_ids if not 0 <= i <= L]
+    if bad:
+        raise EyasError(f"drafter {ckpt}: aux layer ids {bad} do not exist in a {L}-layer target")
+
+
+def runners(model, loaded: LoadedDrafter | None, timer: Timer) -> tuple[TargetRunner, DrafterRunner | None]:
+    """Target and drafter runners sharing one timer."""
+    if loaded is None:
+        return TargetRunner(model, [], timer, use_aux=True), None
+    tr = TargetRunner(model, loaded.aux_ids, timer, use_aux=loaded.use_aux)
+    dr = DrafterRunner(loaded.drafter, timer, fuse=loaded.fuse, target_ids=loaded.target_ids)
+    dr.vocab_size = model.get_input_embeddings().weight.shape[0]  # an engine's config may say otherwise
+    return tr, dr

@@ -1,0 +1,355 @@
+"""`eyas bench`: real speculative decoding against baselines, interleaved prompt by prompt
+on the same prompts, in one run, with one report (report.json, report.md, PNG plots).
+
+Methods: `plain` (the target alone in eyas's loop, KV cache: the reference every speedup is
+relative to), `hf` (transformers `generate()`), `pld` (HF prompt-lookup decoding), `chain`
+(eyas, k drafts), `tree` (eyas, EAGLE-2 dynamic tree).
+
+Acceptance length = mean over verification steps of (accepted draft tokens + 1): the number
+of tokens one target forward produces. Per-position acceptance[i] = share of steps whose
+first i+1 drafts (tree: depth i+1) were all accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from eyas import targets
+from eyas.errors import EyasError, FindingsError
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+BASELINES = ("plain", "hf", "pld")
+PLD_TOKENS = 10
+ENGINES = ("eyas", "sglang", "vllm")  # = runtime.ENGINES (runtime is imported lazily: transformers)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="speculative decoding vs baselines on the same prompts, one report",
+                       description=__doc__.split("\n\n")[0] + " Acceptance length = mean over verification "
+                       "steps of (accepted drafts + 1).")
+    p.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory")
+    p.add_argument("--drafter", help="eyas drafter checkpoint (or any layout with --engine); omit to run "
+                   "the baselines only")
+    p.add_argument("--prompts", nargs="+", default=["builtin-eval"], metavar="FILE",
+                   help="prompt files (json/jsonl/txt; first user turn, chat template applied) or "
+                   "`builtin-eval` = the eval split of --data")
+    p.add_argument("--data", help="prepared data directory (for --prompts builtin-eval)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="keep the last N prompt tokens")
+    p.add_argument("--k", type=int, default=5, help="chain length (drafts per step)")
+    p.add_argument("--tree", default="4,5,16", help="TOPK,DEPTH,TOKENS of the dynamic tree (TOKENS counts the root)")
+    p.add_argument("--methods", default="chain,tree", help="eyas methods to run: chain, tree (comma list)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--baselines", default="plain,hf,pld", help="comma list of plain, hf, pld (plain is always run)")
+    p.add_argument("--engine", default="eyas", choices=ENGINES,
+                   help="run the checkpoint as eyas does, or as SGLang / vLLM would load and feed it")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's). On a shared CPU, 1 avoids "
+                   "OpenMP stalls that slow multi-token forwards by 10-100x")
+    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench-report", help="report directory")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def parse_tree(spec: str) -> tuple[int, int, int]:
+    try:
+        topk, depth, tokens = (int(x) for x in spec.split(","))
+    except ValueError as e:
+        raise EyasError(f"--tree {spec!r}: expected TOPK,DEPTH,TOKENS such as 4,5,16") from e
+    if topk < 1 or depth < 1 or tokens < 2:
+        raise EyasError(f"--tree {spec!r}: need TOPK >= 1, DEPTH >= 1, TOKENS >= 2")
+    return topk, depth, tokens
+
+
+def load_prompts(args, tok) -> list[dict]:
+    """[{id, category, ids (LongTensor)}] from prompt files or the eval split of --data."""
+    if args.prompts == ["builtin-eval"]:
+        if not args.data:
+            raise EyasError("--prompts builtin-eval needs --data DIR (a prepared data directory)")
+        from eyas.formats.data import read_samples
+
+        items = [(s.id, s.category, _first_user(s.messages)) for s in read_samples(Path(args.data), "eval")]
+    else:
+        from eyas.formats.prompts import load_prompt_files
+
+        items = [(c.id, c.category, (c.user_turns or [""])[0]) for c in load_prompt_files([Path(p) for p in args.prompts])]
+    items = [it for it in items if it[2].strip()][: args.limit or None]
+    if not items:
+        raise EyasError(f"--prompts {' '.join(args.prompts)}: no prompt with a user turn")
+    return [{"id": i, "category": c, "ids": render(tok, text, args.max_prompt_tokens)} for i, c, text in items]
+
+
+def _first_user(messages: list[dict]) -> str:
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
+
+
+def render(tok, text: str, max_tokens: int) -> torch.Tensor:
+    """One user turn -> prompt ids with the chat template and the generation prompt."""
+    msgs = [{"role": "user", "content": text}]
+    if getattr(tok, "chat_template", None):
+        s = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok(s, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tok(text)["input_ids"]
+    return torch.tensor(ids[-max_tokens:], dtype=torch.long)
+
+
+def eos_ids(model, tok) -> tuple[int, ...]:
+    e = getattr(model.generation_config, "eos_token_id", None)
+    e = e if e is not None else tok.eos_token_id
+    return tuple(e) if isinstance(e, (list, tuple)) else ((e,) if e is not None else ())
+
+
+# ---------------------------------------------------------------- running
+
+
+def run_hf(model, prompt: torch.Tensor, s: runtime.DecodeSettings, pld: bool, device) -> dict:
+    kw = dict(max_new_tokens=s.max_new_tokens, eos_token_id=list(s.eos_ids) or None,
+              pad_token_id=(s.eos_ids or (0,))[0])
+    if s.temperature > 0:
+        kw.update(do_sample=True, temperature=s.temperature, top_p=s.top_p)
+    else:
+        kw.update(do_sample=False)
+    if pld:
+        kw["prompt_lookup_num_tokens"] = PLD_TOKENS
+    ids = prompt[None].to(device)
+    torch.manual_seed(s.seed)
+    t0 = time.perf_counter()
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    return {"tokens": out[0, prompt.shape[0]:].tolist(), "wall_s": wall, "target_s": wall, "drafter_s": 0.0,
+            "accepted": []}
+
+
+def run_one(method: str, model, tr, dr, prompt, s: runtime.DecodeSettings, device) -> dict:
+    from eyas import runtime
+
+    if method in ("hf", "pld"):
+        return run_hf(model, prompt, s, method == "pld", device)
+    with torch.inference_mode():
+        r = runtime.generate(tr, dr, prompt, runtime.DecodeSettings(**{**s.__dict__, "method": method}))
+    return {"tokens": r.tokens, "wall_s": r.wall_s, "target_s": r.target_s, "drafter_s": r.drafter_s,
+            "accepted": r.accepted}
+
+
+def method_list(args, has_drafter: bool) -> list[str]:
+    base = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    bad = [b for b in base if b not in BASELINES]
+    if bad:
+        raise EyasError(f"--baselines: unknown {bad}; use a comma list of {', '.join(BASELINES)}")
+    eyas = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in eyas if m not in ("chain", "tree")]
+    if bad:
+        raise EyasError(f"--methods: unknown {bad}; use chain and/or tree")
+    out = ["plain"] + [b for b in base if b != "plain"]
+    return out + (eyas if has_drafter else [])
+
+
+def run(args) -> int:
+    from eyas import runtime
+
+    device = targets.parse_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tdir = targets.resolve(args.target)
+    model, tok = targets.load(tdir, dtype=args.dtype, device=str(device))
+    prompts = load_prompts(args, tok)
+    loaded = None
+    if args.drafter:
+        loaded = runtime.load_drafter(Path(args.drafter), model, args.engine, model.dtype, args.seed, tdir)
+    methods = method_list(args, loaded is not None)
+    s = runtime.DecodeSettings(k=args.k, tree=parse_tree(args.tree), temperature=args.temperature,
+                               top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model, tok),
+                               seed=args.seed)
+    tr, dr = runtime.runners(model, loaded, runtime.Timer(device))
+    results = bench_loop(methods, model, tr, dr, prompts, s, device)
+    report = build_report(args, methods, prompts, results, s, loaded, tdir)
+    with atomic_dir(Path(args.out), args.force) as tmp:
+        write_report(tmp, report, results, prompts, tok)
+    report["out"] = str(Path(args.out).resolve())
+    emit(args, report["summary"] | {"out": report["out"]}, human_summary(report))
+    mism = report["summary"].get("greedy_mismatches")
+    if args.dtype == "fp32" and args.temperature <= 0 and mism:
+        raise FindingsError(f"eyas greedy output differs from plain greedy decoding on {mism} prompt(s) in fp32; "
+                            f"see {report['out']}/report.json (a runtime bug: please report it)")
+    return 0
+
+
+def bench_loop(methods, model, tr, dr, prompts, s, device) -> dict[str, list[dict]]:
+    """Every method on every prompt, interleaved prompt by prompt (same machine state)."""
+    from tqdm import tqdm
+
+    from eyas import runtime
+
+    warm = runtime.DecodeSettings(**{**s.__dict__, "max_new_tokens": 4})
+    for m in methods:  # warm-up: first-call costs (allocations, kernels) stay out of the numbers
+        run_one(m, model, tr, dr, prompts[0]["ids"], warm, device)
+    results: dict[str, list[dict]] = {m: [] for m in methods}
+    bar = tqdm(prompts, desc="bench", unit="prompt")
+    for p in bar:
+        for m in methods:
+            results[m].append(run_one(m, model, tr, dr, p["ids"], s, device))
+        done = {m: sum(len(r["tokens"]) for r in results[m]) / max(1e-9, sum(r["wall_s"] for r in results[m]))
+                for m in methods}
+        bar.set_postfix({m: f"{v:.1f}t/s" for m, v in done.items()})
+    return results
+
+
+# ---------------------------------------------------------------- report
+
+
+def method_stats(rs: list[dict]) -> dict:
+    toks = sum(len(r["tokens"]) for r in rs)
+    wall = sum(r["wall_s"] for r in rs)
+    tgt, dft = sum(r["target_s"] for r in rs), sum(r["drafter_s"] for r in rs)
+    out = {"tokens": toks, "wall_s": round(wall, 4), "tokens_per_s": toks / wall if wall else 0.0,
+           "time_split": {"target": tgt / wall if wall else 0.0, "drafter": dft / wall if wall else 0.0,
+                          "overhead": max(0.0, 1 - (tgt + dft) / wall) if wall else 0.0}}
+    steps = [a for r in rs for a in r["accepted"]]
+    if steps:
+        depth = max(steps + [1])
+        out["verify_steps"] = len(steps)
+        out["acceptance_length"] = sum(a + 1 for a in steps) / len(steps)
+        out["acceptance_by_position"] = [sum(a > i for a in steps) / len(steps) for i in range(depth)]
+    return out
+
+
+def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
+    per = {m: method_stats(results[m]) for m in methods}
+    base = per["plain"]["tokens_per_s"]
+    for m in methods:
+        per[m]["speedup"] = per[m]["tokens_per_s"] / base if base else 0.0
+    cats = sorted({p["category"] for p in prompts})
+    by_cat = {}
+    for c in cats:
+        idx = [i for i, p in enumerate(prompts) if p["category"] == c]
+        st = {m: method_stats([results[m][i] for i in idx]) for m in methods}
+        by_cat[c] = {m: {"speedup": st[m]["tokens_per_s"] / st["plain"]["tokens_per_s"]
+                         if st["plain"]["tokens_per_s"] else 0.0, "prompts": len(idx),
+                         **({"acceptance_length": st[m]["acceptance_length"]} if "acceptance_length" in st[m] else {})}
+                     for m in methods}
+    plain = [r["tokens"] for r in results["plain"]]
+    mism = {m: sum(r["tokens"] != t for r, t in zip(results[m], plain)) for m in methods if m != "plain"}
+    greedy = s.temperature <= 0
+    summary = {
+        "target": str(tdir), "drafter": args.drafter, "engine": args.engine, "dtype": args.dtype,
+        "device": args.device, "prompts": len(prompts), "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature, "top_p": s.top_p, "k": s.k, "tree": list(s.tree),
+        "plain_tokens_per_s": base,
+        "methods": {m: {k: v for k, v in per[m].items()} for m in methods},
+        "mismatches_vs_plain": mism if greedy else None,
+        "greedy_mismatches": sum(v for m, v in mism.items() if m in ("chain", "tree")) if greedy else None,
+        "definitions": {"acceptance_length": "mean over verification steps of (accepted draft tokens + 1)",
+                        "acceptance_by_position": "share of verification steps whose first i+1 drafts "
+                        "(tree: depth i+1) were accepted",
+                        "speedup": "tokens/s of the method / tokens/s of plain (eyas loop, target alone)"},
+    }
+    if loaded is not None:
+        summary["engine_notes"] = loaded.notes
+        summary["engine_missing"] = loaded.missing
+        summary["engine_skipped"] = loaded.skipped
+    return {"summary": summary, "by_category": by_cat, "provenance": provenance(args)}
+
+
+def write_report(out: Path, report: dict, results, prompts, tok) -> None:
+    per_prompt = [{"id": p["id"], "category": p["category"], "prompt_tokens": int(p["ids"].shape[0]),
+                   **{m: {"tokens": len(results[m][i]["tokens"]), "wall_s": round(results[m][i]["wall_s"], 4),
+                          **({"acceptance_length": sum(a + 1 for a in results[m][i]["accepted"])
+                              / len(results[m][i]["accepted"])} if results[m][i]["accepted"] else {})}
+                      for m in results}}
+                  for i, p in enumerate(prompts)]
+    write_json_atomic(out / "report.json", {**report, "per_prompt": per_prompt})
+    (out / "report.md").write_text(markdown(report))
+    samples = [{"id": p["id"], "plain": tok.decode(results["plain"][i]["tokens"])} for i, p in enumerate(prompts[:5])]
+    write_json_atomic(out / "samples.json", samples)
+    plots(out, report)
+
+
+def markdown(report: dict) -> str:
+    s = report["summary"]
+    lines = [f"# eyas bench\n", f"target `{s['target']}`, drafter `{s['drafter']}` (engine {s['engine']}), "
+             f"{s['dtype']} on {s['device']}, {s['prompts']} prompts, {s['max_new_tokens']} new tokens, "
+             f"temperature {s['temperature']}, chain k={s['k']}, tree topk,depth,tokens={s['tree']}\n",
+             "| method | tok/s | speedup vs plain | acceptance length | target | drafter | overhead |",
+             "|---|---|---|---|---|---|---|"]
+    for m, st in s["methods"].items():
+        ts = st["time_split"]
+        al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
+        lines.append(f"| {m} | {st['tokens_per_s']:.1f} | {st['speedup']:.2f}x | {al} | {ts['target']:.0%} | "
+                     f"{ts['drafter']:.0%} | {ts['overhead']:.0%} |")
+    lines.append("\n" + "\n".join(f"- {k}: {v}" for k, v in s["definitions"].items()))
+    if s.get("mismatches_vs_plain") is not None:
+        lines.append(f"- greedy outputs differing from plain (per method): {s['mismatches_vs_plain']}")
+    lines.append("\n## Speedup by category\n")
+    methods = list(s["methods"])
+    lines += ["| category | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    for c, row in report["by_category"].items():
+        lines.append(f"| {c} ({row['plain']['prompts']}) | " + " | ".join(f"{row[m]['speedup']:.2f}x" for m in methods) + " |")
+    for note in s.get("engine_notes") or []:
+        lines.append(f"\n> engine: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def plots(out: Path, report: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = report["summary"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, st in s["methods"].items():
+        if "acceptance_by_position" in st:
+            acc = st["acceptance_by_position"]
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{m} (τ={st['acceptance_length']:.2f})")
+    ax.set(xlabel="draft position (tree: depth)", ylabel="share of steps accepted", ylim=(0, 1),
+           title="Acceptance by position")
+    if ax.lines:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no drafter", ha="center")
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=100)
+    plt.close(fig)
+    cats = list(report["by_category"])
+    methods = list(s["methods"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) + 2), 4))
+    w = 0.8 / len(methods)
+    for j, m in enumerate(methods):
+        ax.bar([i + j * w for i in range(len(cats) + 1)],
+               [report["by_category"][c][m]["speedup"] for c in cats] + [s["methods"][m]["speedup"]], w, label=m)
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(cats) + 1)], cats + ["all"], rotation=30)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(ylabel="speedup vs plain", title="Speedup per method and prompt category")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=100)
+    plt.close(fig)
+
+
+def human_summary(report: dict) -> str:
+    s = report["summary"]
+    rows = [f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'overhead':>9s}"]
+    for m, st in s["methods"].items():
+        al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
+        rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {st['time_split']['overhead']:8.0%}")
+    if s.get("greedy_mismatches") is not None:
+        rows.append(f"greedy mismatches vs plain: {s['mismatches_vs_plain']}")
+    rows.append(f"report: {report['out']}/report.md")
+    return "\n".join(rows)

@@ -1,0 +1,185 @@
+"""`eyas quickstart`: the whole pipeline on the built-in default target, end to end —
+fetch the target, prepare the built-in prompts with answers written by the target,
+build the draft vocabulary, capture features, train, and bench on the eval split (never
+trained on) — then print one summary table and where the report is.
+
+Each stage runs through the public CLI (`eyas.cli.main`) into OUT/<stage>-<hash>, where the
+hash covers the stage's argv (which names its inputs, themselves hashed directories) and
+the target's fingerprint. A stage whose done-marker (OUT/.done/<stage>-<hash>.json) exists
+is skipped, so a rerun only redoes what changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+from eyas import targets
+from eyas.errors import EyasError
+from eyas.stages.common import add_json_flag, emit, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes of one budget. `minutes` is the rough expected time of each stage on 2 CPU cores."""
+
+    prompts: int  # built-in prompts to prepare (before the eval split)
+    answer_tokens: int  # --max-new-tokens of the regenerated answers
+    eval_fraction: float
+    max_len: int
+    draft_vocab: int
+    train_epochs: int
+    train_max_steps: int
+    ttt: int
+    batch_tokens: int
+    bench_prompts: int
+    bench_new_tokens: int
+    dtype: str = "bf16"  # bf16 is the fast configuration on AMX CPUs (ENVIRONMENT.md)
+    minutes: tuple[float, ...] = (0.2, 6, 0.2, 1, 6, 4)
+
+
+PLANS = {
+    "small": Plan(prompts=200, answer_tokens=128, eval_fraction=0.06, max_len=512, draft_vocab=8192,
+                  train_epochs=3, train_max_steps=400, ttt=3, batch_tokens=2048, bench_prompts=8,
+                  bench_new_tokens=64),
+    "medium": Plan(prompts=600, answer_tokens=192, eval_fraction=0.04, max_len=768, draft_vocab=16384,
+                   train_epochs=4, train_max_steps=2000, ttt=5, batch_tokens=4096, bench_prompts=16,
+                   bench_new_tokens=128, minutes=(0.2, 25, 0.3, 4, 30, 10)),
+    "large": Plan(prompts=1300, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
+                  train_epochs=6, train_max_steps=10000, ttt=7, batch_tokens=8192, bench_prompts=40,
+                  bench_new_tokens=128, minutes=(0.2, 70, 0.5, 10, 120, 25)),
+}
+
+STAGES = ("target", "data", "vocab", "capture", "train", "bench")
+
+# The per-stage argv, in one table: {placeholders} are filled from the plan and from the
+# directories of earlier stages. Keep stage flags here only.
+ARGV: dict[str, list[str]] = {
+    "data": ["data", "prepare", "--target", "{target}", "--input", "builtin", "--regenerate",
+             "--limit", "{prompts}", "--max-new-tokens", "{answer_tokens}", "--eval-fraction", "{eval_fraction}",
+             "--max-len", "{max_len}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
+    "vocab": ["vocab", "build", "--data", "{data}", "--size", "{draft_vocab}", "--target", "{target}",
+              "--out", "{out}/vocab.safetensors", "--force"],
+    "capture": ["capture", "--target", "{target}", "--data", "{data}", "--dtype", "{dtype}", "--out", "{out}",
+                "--force"],
+    "train": ["train", "--target", "{target}", "--capture", "{capture}", "--vocab", "{vocab}/vocab.safetensors",
+              "--epochs", "{train_epochs}", "--max-steps", "{train_max_steps}", "--ttt", "{ttt}",
+              "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--dtype", "{dtype}",
+              "--out", "{out}", "--force"],
+    "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
+              "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
+              "--dtype", "{dtype}", "--out", "{out}", "--force", "--json"],
+}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--budget", default="small", choices=tuple(PLANS),
+                   help="small: ~20 min on 2 CPU cores; medium/large: more data and training")
+    p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
+    p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
+    add_json_flag(p)
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+def stage_key(stage: str, argv: list[str], fingerprint: str) -> str:
+    """Content hash of a stage: its argv (inputs are hashed dirs) + the target fingerprint."""
+    from eyas import __version__
+
+    blob = json.dumps({"stage": stage, "argv": argv, "target": fingerprint, "eyas": __version__})
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def fill(template: list[str], values: dict) -> list[str]:
+    return [t.format(**values) for t in template]
+
+
+def run_stage_cli(argv: list[str], quiet: bool) -> int:
+    """One stage through the public CLI; its stdout goes to stderr under --json."""
+    from eyas.cli import main
+
+    with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
+        return main(argv)
+
+
+def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
+                 runner: Callable[[list[str], bool], int] = run_stage_cli) -> dict:
+    """Run (or reuse) every stage; returns {stages: [...], bench: summary or None}."""
+    out = Path(out).resolve()
+    (out / ".done").mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    tdir = targets.resolve(target)
+    fp = targets.fingerprint(tdir)
+    values = {**asdict(plan), "target": str(tdir)}
+    rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
+    remaining = list(plan.minutes[1:])
+    for i, stage in enumerate(STAGES[1:], start=2):
+        argv_t = ARGV[stage]
+        key = stage_key(stage, fill(argv_t, {**values, "out": "OUT"}), fp)
+        sdir = out / f"{stage}-{key}"
+        marker = out / ".done" / f"{stage}-{key}.json"
+        values[stage] = str(sdir)
+        eta = sum(remaining)
+        remaining.pop(0)
+        if marker.is_file():
+            rows.append({"stage": stage, "status": "reused", "seconds": 0.0, "dir": str(sdir)})
+            log.info("[%d/%d] %s: reused %s", i, len(STAGES), stage, sdir)
+            continue
+        argv = fill(argv_t, {**values, "out": str(sdir)})
+        elapsed = (time.perf_counter() - t_start) / 60
+        log.info("[%d/%d] %s (elapsed %.1f min, about %.0f min left): eyas %s", i, len(STAGES), stage,
+                 elapsed, eta, " ".join(argv))
+        sdir.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        code = runner(argv, quiet)
+        if code != 0:
+            raise EyasError(f"quickstart: stage {stage} failed (exit {code}); rerun `eyas {' '.join(argv)}` "
+                            f"to see why, then rerun quickstart (finished stages are reused)")
+        secs = time.perf_counter() - t0
+        write_json_atomic(marker, {"stage": stage, "argv": argv, "seconds": secs, "key": key})
+        rows.append({"stage": stage, "status": "ran", "seconds": round(secs, 1), "dir": str(sdir)})
+    bench = _bench_summary(Path(values["bench"]))
+    return {"stages": rows, "bench": bench, "report": str(Path(values["bench"]) / "report.md"),
+            "seconds": round(time.perf_counter() - t_start, 1)}
+
+
+def _bench_summary(bdir: Path) -> dict | None:
+    f = bdir / "report.json"
+    if not f.is_file():
+        return None
+    s = json.loads(f.read_text())["summary"]
+    return {m: {"tokens_per_s": round(st["tokens_per_s"], 2), "speedup": round(st["speedup"], 3),
+                "acceptance_length": round(st["acceptance_length"], 3) if "acceptance_length" in st else None}
+            for m, st in s["methods"].items()}
+
+
+def table(result: dict) -> str:
+    lines = [f"{'stage':9s} {'status':7s} {'seconds':>8s}  directory"]
+    lines += [f"{r['stage']:9s} {r['status']:7s} {r['seconds']:8.1f}  {r['dir']}" for r in result["stages"]]
+    if result["bench"]:
+        lines += ["", f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s}"]
+        for m, st in result["bench"].items():
+            al = f"{st['acceptance_length']:.2f}" if st["acceptance_length"] else "-"
+            lines.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s}")
+    lines += ["", f"total {result['seconds'] / 60:.1f} min; report: {result['report']}"]
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    result = run_pipeline(args.target, args.out, PLANS[args.budget], quiet=bool(args.json))
+    emit(args, result, table(result))
+    return 0

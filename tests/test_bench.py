@@ -1,0 +1,85 @@
+"""`eyas bench` on the tiny target: report files, greedy identity gate, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eyas import targets
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+from eyas.formats.checkpoint import save_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target, tmp_path_factory):
+    model, _ = targets.load(tiny_target)
+    tcfg = model.config
+    torch.manual_seed(0)
+    ids = torch.randperm(tcfg.vocab_size)[:64].sort().values
+    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, 64, targets.default_aux_layers(tcfg.num_hidden_layers)))
+    d.d2t.copy_(ids - torch.arange(64))
+    d.t2d.zero_()
+    d.t2d[ids] = True
+    out = tmp_path_factory.mktemp("ckpt") / "drafter"
+    save_checkpoint(out, d, {"test": True})
+    return out
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    f = tmp_path / "prompts_math.jsonl"
+    rows = [{"question": "two plus three equals"}, {"question": "write a story about the cat"},
+            {"question": "explain the model"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return f
+
+
+def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tmp_path):
+    out = tmp_path / "rep"
+    code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, "--prompts", prompt_file,
+                                 "--max-new-tokens", "12", "--k", "3", "--tree", "2,3,6", "--limit", "2",
+                                 "--out", out, "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["greedy_mismatches"] == 0
+    assert set(summary["methods"]) == {"plain", "hf", "pld", "chain", "tree"}
+    assert summary["mismatches_vs_plain"]["hf"] == 0
+    for m in ("chain", "tree"):
+        st = summary["methods"][m]
+        assert st["acceptance_length"] >= 1.0 and len(st["acceptance_by_position"]) >= 1
+    for f in ("report.json", "report.md", "acceptance_by_position.png", "speedup.png"):
+        assert (out / f).is_file(), f
+    rep = json.loads((out / "report.json").read_text())
+    assert len(rep["per_prompt"]) == 2 and "math" in rep["by_category"]
+
+
+def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, tmp_path):
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--baselines", "plain",
+                            "--max-new-tokens", "4", "--limit", "1", "--out", tmp_path / "b")
+    assert code == 0, err
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", "builtin-eval", "--out", tmp_path / "c")
+    assert code == 2 and "--data" in err
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--tree", "x",
+                            "--out", tmp_path / "d")
+    assert code == 2 and "--tree" in err
+
+
+def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir, prompt_file, tmp_path):
+    code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, "--prompts", prompt_file,
+                                 "--engine", "sglang", "--baselines", "plain", "--methods", "chain,tree",
+                                 "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "8", "--limit", "1",
+                                 "--out", tmp_path / "e", "--json")
+    assert code == 0, err
+    s = json.loads(stdout)
+    assert s["engine"] == "sglang" and s["greedy_mismatches"] is None
+    assert s["methods"]["chain"]["tokens"] > 0 and s["methods"]["tree"]["tokens"] > 0

@@ -1,0 +1,76 @@
+"""`eyas quickstart`: content-hashed stage reuse (with a recording stub runner) and the CLI
+surface. The full pipeline is exercised by `make demo`, not here."""
+
+from __future__ import annotations
+
+import json
+
+from eyas.stages import quickstart as qs
+
+PLAN = qs.Plan(prompts=4, answer_tokens=4, eval_fraction=0.5, max_len=64, draft_vocab=32, train_epochs=1,
+               train_max_steps=1, ttt=2, batch_tokens=256, bench_prompts=1, bench_new_tokens=4, dtype="fp32")
+
+
+class Recorder:
+    def __init__(self, fail: str | None = None):
+        self.calls: list[list[str]] = []
+        self.fail = fail
+
+    def __call__(self, argv, quiet):
+        self.calls.append(argv)
+        if argv[0] == self.fail:
+            return 2
+        if argv[0] == "bench":
+            out = argv[argv.index("--out") + 1]
+            import pathlib
+
+            pathlib.Path(out).mkdir(parents=True, exist_ok=True)
+            summary = {"methods": {"plain": {"tokens_per_s": 10.0, "speedup": 1.0},
+                                   "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0}}}
+            (pathlib.Path(out) / "report.json").write_text(json.dumps({"summary": summary}))
+        return 0
+
+
+def test_rerun_reuses_finished_stages(tiny_target, tmp_path):
+    rec = Recorder()
+    first = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
+    assert [c[0] for c in rec.calls] == ["data", "vocab", "capture", "train", "bench"]
+    assert [r["status"] for r in first["stages"]] == ["ok", "ran", "ran", "ran", "ran", "ran"]
+    assert first["bench"]["chain"]["speedup"] == 1.2
+    # every stage's inputs are the hashed directories of the stages before it
+    train_argv = rec.calls[3]
+    assert train_argv[train_argv.index("--capture") + 1] == first["stages"][3]["dir"]
+    again = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
+    assert len(rec.calls) == 5
+    assert [r["status"] for r in again["stages"][1:]] == ["reused"] * 5
+    # a changed vocab size reruns vocab and everything downstream, not data
+    qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "draft_vocab": 16}), runner=rec)
+    assert [c[0] for c in rec.calls[5:]] == ["vocab", "train", "bench"]  # capture does not read the vocab
+    assert "quickstart" not in qs.table(again)  # the table renders
+
+
+def test_failed_stage_is_an_error_and_not_marked_done(tiny_target, tmp_path):
+    import pytest
+
+    from eyas.errors import EyasError
+
+    with pytest.raises(EyasError, match="stage capture failed"):
+        qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=Recorder(fail="capture"))
+    rec = Recorder()
+    res = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
+    assert [c[0] for c in rec.calls] == ["capture", "train", "bench"]
+    assert [r["status"] for r in res["stages"][1:3]] == ["reused", "reused"]
+
+
+def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
+    """Every stage argv in the table is accepted by the stage parsers that exist."""
+    from eyas.cli import build_parser
+
+    parser = build_parser()
+    values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x")}
+    values.update({s: str(tmp_path / s) for s in qs.STAGES})
+    known = set(parser._subparsers._group_actions[0].choices)
+    for stage, template in qs.ARGV.items():
+        argv = qs.fill(template, values)
+        if argv[0] in known:
+            parser.parse_args(argv)

@@ -1,0 +1,366 @@
+"""Speculative decoding: tree masks, KV compaction, acceptance rules, greedy token identity
+with HF generate() (stub and real drafters, chain and tree), lossless sampling (chi-square),
+and the engine emulation's fc-bypass collapse."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from eyas import runtime, targets
+from eyas.core import speculative as spec
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+
+
+# ---------------------------------------------------------------- stub drafters
+
+
+class StubDrafter:
+    """A `DraftModel` that proposes ref[p+2] at drafter position p (right) or a wrong token."""
+
+    def __init__(self, ref: list[int], vocab: int, mode: str = "right", seed: int = 0):
+        self.ref, self.V, self.mode = ref, vocab, mode
+        self.target_ids = torch.arange(vocab)
+        self.vocab_size = vocab
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def reset(self, capacity: int) -> None:
+        pass
+
+    def truncate(self, n: int) -> None:
+        pass
+
+    def _logits(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.mode == "random":
+            return torch.randn(positions.shape[0], self.V, generator=self.gen) * 3
+        out = torch.randn(positions.shape[0], self.V, generator=self.gen)
+        for r, p in enumerate(positions.tolist()):
+            want = self.ref[p + 2] if p + 2 < len(self.ref) else 0
+            tok = want if self.mode == "right" else (want + 1) % self.V
+            out[r, tok] = 50.0
+        return out
+
+    def extend(self, feats, tokens, start):
+        return self._logits(torch.tensor([start + tokens.shape[0] - 1]))[0], torch.zeros(1)
+
+    def step(self, states, tokens, positions, allow):
+        return self._logits(positions), torch.zeros(positions.shape[0], 1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and 2 threads spin badly on a shared 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target):
+    model, tok = targets.load(tiny_target)
+    return model, tok
+
+
+def _hf_greedy(model, prompt: torch.Tensor, n: int, eos: int) -> list[int]:
+    out = model.generate(prompt[None], max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    return out[0, prompt.shape[0]:].tolist()
+
+
+def _prompt(seed: int, n: int = 12, V: int = 200) -> torch.Tensor:
+    return torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _settings(method, **kw) -> runtime.DecodeSettings:
+    base = dict(method=method, k=4, tree=(3, 4, 12), max_new_tokens=40, eos_ids=(2,))
+    base.update(kw)
+    return runtime.DecodeSettings(**base)
+
+
+# ---------------------------------------------------------------- pure pieces
+
+
+def test_tree_mask_ancestors_and_prefix():
+    tree = spec.Tree(torch.tensor([5, 7, 9, 11, 13]), torch.tensor([-1, 0, 0, 1, 3]), torch.tensor([0, 1, 1, 2, 3]))
+    m = spec.tree_mask(tree, prefix=3, dtype=torch.float32)
+    assert m.shape == (1, 1, 5, 8)
+    allow = m[0, 0] == 0
+    assert allow[:, :3].all()
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]).bool()
+    assert torch.equal(allow[:, 3:], expect)
+    assert not tree.is_chain and spec.chain_tree(1, torch.tensor([2, 3])).is_chain
+
+
+def test_compact_rows_gathers_path_in_order():
+    buf = torch.arange(10.0).view(1, 1, 10, 1).repeat(1, 2, 1, 3)
+    spec.compact_rows(buf, 4, torch.tensor([0, 2, 5]))
+    assert buf[0, 0, 4:7, 0].tolist() == [4.0, 6.0, 9.0]
+    assert buf[0, 1, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_target_tree_verify_and_compaction_match_sequential(tiny):
+    """A tree forward with the 4D mask gives each node the logits of its own path, and after
+    compacting the cache to one path the next forward equals a fresh forward of that path."""
+    model, _ = tiny
+    timer = runtime.Timer("cpu")
+    tr = runtime.TargetRunner(model, [1, 2], timer)
+    prompt = _prompt(1)
+    n = prompt.shape[0]
+    tr.reset(64)
+    tr.forward(prompt, torch.arange(n))
+    tree = spec.Tree(torch.tensor([5, 7, 9, 11, 13]), torch.tensor([-1, 0, 0, 2, 3]), torch.tensor([0, 1, 1, 2, 3]))
+    logits, feats = tr.forward(tree.tokens, n + tree.depth, spec.tree_mask(tree, n, torch.float32))
+    path = [0, 2, 3]
+    seq = torch.cat([prompt, tree.tokens[path]])
+    ref = model(seq[None]).logits[0, n:]
+    assert torch.allclose(logits[path], ref, atol=1e-4)
+    with targets.capture_aux(model, [1, 2]) as cap:
+        model(seq[None])
+    assert torch.allclose(feats[path], cap.aux()[0, n:], atol=1e-4)
+    tr.compact(n, torch.tensor(path))
+    assert tr.length == n + 3
+    nxt, _ = tr.forward(torch.tensor([13]), torch.tensor([n + 3]))
+    ref2 = model(torch.cat([seq, torch.tensor([13])])[None]).logits[0, -1]
+    assert torch.allclose(nxt[0], ref2, atol=1e-4)
+
+
+def test_accept_greedy_walks_matching_children():
+    tree = spec.Tree(torch.tensor([0, 4, 5, 6, 7]), torch.tensor([-1, 0, 0, 2, 2]), torch.tensor([0, 1, 1, 2, 2]))
+    logits = torch.zeros(5, 10)
+    logits[0, 5] = logits[2, 7] = logits[4, 9] = 1.0
+    assert spec.accept_greedy(tree, logits) == ([0, 2, 4], 9)
+
+
+# ---------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("mode", ["right", "wrong", "random"])
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_greedy_identity_with_stubs(tiny, mode, method):
+    model, tok = tiny
+    V = model.config.vocab_size
+    for seed in (0, 1):
+        prompt = _prompt(seed)
+        ref = _hf_greedy(model, prompt, 40, eos=2)
+        stub = StubDrafter(prompt.tolist() + ref, V, mode, seed)
+        tr, _ = runtime.runners(model, None, runtime.Timer("cpu"))
+        res = runtime.generate(tr, stub, prompt, _settings(method))
+        assert res.tokens == ref
+        assert runtime.generate(tr, None, prompt, _settings("plain")).tokens == ref
+        full = 4 if method == "chain" else 3  # chain k=4; tree depth 4 -> 3 accepted + ... see below
+        if mode == "right" and len(ref) == 40:
+            assert max(res.accepted) >= full
+            assert sum(res.accepted) + res.steps >= len(ref)
+        if mode == "wrong":
+            assert set(res.accepted) == {0}
+
+
+# ---------------------------------------------------------------- lossless sampling
+
+
+def _markov_step(P, Q, x, method, gen, k=2, topk=2, depth=2):
+    """One speculative step on a Markov 'target' P[x] -> next-token probs, drafter Q[x]."""
+    V = P.shape[0]
+
+    class M:  # drafter over the full vocabulary whose logits depend on the node's token only
+        target_ids = torch.arange(V)
+
+        def step(self, states, tokens, positions, allow):
+            return Q[tokens].log(), torch.zeros(tokens.shape[0], 1)
+
+    if method == "chain":
+        def pick(lg):
+            q = torch.softmax(lg, -1)
+            return torch.multinomial(q, 1, generator=gen)[0], q
+        drafts, qs = spec.draft_chain(M(), Q[x].log(), torch.zeros(1), 0, k, pick)
+        tree, qd = spec.chain_tree(x, drafts), {i + 1: q for i, q in enumerate(qs)}
+    else:
+        tree, qd = spec.draft_tree(M(), x, Q[x].log(), torch.zeros(1), 0, topk, depth, 5), None
+    path, bonus = spec.accept_sampling(tree, P[tree.tokens], qd, gen)
+    return tree.tokens[path[1:]].tolist() + [bonus]
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_speculative_sampling_is_lossless(method):
+    """The first two emitted tokens follow the target's joint distribution (chi-square, 24 dof)."""
+    V, trials = 5, 4000
+    g = torch.Generator().manual_seed(0)
+    P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    Q = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)  # a poor drafter
+    gen = torch.Generator().manual_seed(1)
+    counts = torch.zeros(V, V)
+    x0 = 0
+    for _ in range(trials):
+        out = []
+        x = x0
+        while len(out) < 2:
+            new = _markov_step(P, Q, x, method, gen)
+            out += new
+            x = out[-1]
+        counts[out[0], out[1]] += 1
+    expected = P[x0][:, None] * P * trials  # p(a) p(b | a)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 51.18, chi2  # chi-square critical value, 24 dof, p = 0.001
+
+
+def test_recursive_reject_point_mass_marginal():
+    """Deterministic candidates (q = one-hot): the output token is distributed as p."""
+    p = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    cands = [1, 3]
+    for _ in range(4000):
+        i, tok = spec.recursive_reject(p, cands, [None, None], gen)
+        counts[cands[i] if i is not None else tok] += 1
+    chi2 = float(((counts - 4000 * p) ** 2 / (4000 * p)).sum())
+    assert chi2 < 16.27, chi2  # 3 dof, p = 0.001
+
+
+# ---------------------------------------------------------------- a real (tiny) drafter
+
+
+def train_tiny_drafter(model, steps: int = 150, seed: int = 0) -> Eagle3Drafter:
+    """A step-0-trained drafter for a tiny target (full draft vocabulary). It memorises the
+    greedy continuations of prompts `_prompt(100..111)` (a random target has nothing more to
+    learn), so on those prompts acceptance is high, and breaking its inputs visibly collapses it."""
+    from eyas.core.drafter import causal_attend
+
+    torch.manual_seed(seed)
+    tcfg = model.config
+    aux_ids = targets.default_aux_layers(tcfg.num_hidden_layers)
+    seqs = []
+    for i in range(12):
+        p = _prompt(100 + i)
+        seqs.append(model.generate(p[None], max_new_tokens=40, do_sample=False, eos_token_id=None,
+                                   pad_token_id=2)[0])
+    x = torch.stack(seqs)  # (B, T)
+    with torch.no_grad(), targets.capture_aux(model, aux_ids) as cap:
+        want = model(x).logits.argmax(-1)  # (B, T): target's next token at each position
+        aux = cap.aux()
+    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, tcfg.vocab_size, aux_ids))
+    d.load_target_embedding(model.get_input_embeddings().weight)
+    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    T = x.shape[1]
+    pos = torch.arange(T - 1).expand(x.shape[0], -1)
+    for _ in range(steps):
+        h = d.layer(d.fuse(aux[:, :-1]), x[:, 1:], pos, causal_attend)  # entry t: (a[t], x[t+1])
+        loss = torch.nn.functional.cross_entropy(d.logits(h).flatten(0, 1), want[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):
+    model, _ = tiny
+    return train_tiny_drafter(model)
+
+
+def _loaded(d: Eagle3Drafter) -> runtime.LoadedDrafter:
+    ids = torch.arange(d.cfg.draft_vocab_size) + d.d2t
+    return runtime.LoadedDrafter(d, list(d.cfg.aux_layer_ids), True, "strict", ids, "eyas", [])
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_greedy_identity_with_real_drafters(tiny, trained, method):
+    """Random drafter with a small draft vocabulary (d2t offsets) and a trained one."""
+    model, _ = tiny
+    tcfg = model.config
+    torch.manual_seed(3)
+    ids = torch.randperm(tcfg.vocab_size)[:64].sort().values
+    rand = Eagle3Drafter(DrafterConfig.from_target(tcfg, 64, [1, 2, 3]))
+    rand.d2t.copy_(ids - torch.arange(64))
+    rand.load_target_embedding(model.get_input_embeddings().weight)
+    for d in (rand.eval(), trained):
+        tr, dr = runtime.runners(model, _loaded(d), runtime.Timer("cpu"))
+        for seed in (5, 100):  # 100: a prompt the drafter was trained on
+            prompt = _prompt(seed)
+            ref = _hf_greedy(model, prompt, 40, eos=2)
+            res = runtime.generate(tr, dr, prompt, _settings(method))
+            assert res.tokens == ref
+    assert sum(res.accepted) / res.steps > 0.5  # the trained drafter is accepted
+
+
+def _reading(d: Eagle3Drafter, use_aux: bool, engine: str = "sglang"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(engine=engine, config=d.cfg, state=d.trainable_state_dict(), missing=[], skipped=[],
+                           aux_layer_ids_hf=list(d.cfg.aux_layer_ids), use_aux=use_aux, d2t_as_offsets=True,
+                           notes=[])
+
+
+def test_engine_emulation_aux_off_skips_fc_and_collapses(tiny, trained):
+    model, _ = tiny
+    prompts = [_prompt(s) for s in (100, 101, 102)]  # prompts the drafter memorised
+    rates = {}
+    for use_aux in (True, False):
+        loaded = runtime.drafter_from_reading(_reading(trained, use_aux), model)
+        assert loaded.use_aux is use_aux
+        tr, dr = runtime.runners(model, loaded, runtime.Timer("cpu"))
+        acc = []
+        for p in prompts:
+            res = runtime.generate(tr, dr, p, _settings("chain"))
+            assert res.tokens == _hf_greedy(model, p, 40, eos=2)  # still lossless, only slower
+            acc += res.accepted
+        rates[use_aux] = sum(acc) / len(acc)
+        assert (dr.fc_calls > 0) is use_aux  # fc never runs on the H-wide final state
+    assert rates[True] > 0.5 and rates[False] < 0.5 * rates[True], rates
+
+
+@pytest.mark.slow
+def test_greedy_identity_on_builtin_target(builtin_target):
+    """SmolLM2 fp32 with a random drafter (8k draft vocabulary): chain and tree give HF's greedy tokens."""
+    model, tok = targets.load(builtin_target)
+    tcfg = model.config
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, 8192, targets.default_aux_layers(tcfg.num_hidden_layers)))
+    d.load_target_embedding(model.get_input_embeddings().weight)
+    tr, dr = runtime.runners(model, _loaded(d.eval()), runtime.Timer("cpu"))
+    text = tok.apply_chat_template([{"role": "user", "content": "List three primes."}], add_generation_prompt=True,
+                                   tokenize=False)
+    prompt = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    ref = _hf_greedy(model, prompt, 10, eos=tok.eos_token_id)
+    for method in ("chain", "tree"):
+        s = _settings(method, max_new_tokens=10, eos_ids=(tok.eos_token_id,), tree=(3, 3, 8))
+        with torch.inference_mode():
+            assert runtime.generate(tr, dr, prompt, s).tokens == ref
+
+
+def test_engine_reading_of_checkpoints(tiny, trained, tiny_target, tmp_path):
+    """Through formats.engines: SGLang reading an intact checkpoint runs it like eyas does;
+    the same checkpoint with aux capture disabled (eagle_config.use_aux_hidden_state false)
+    skips fc and collapses."""
+    import json
+
+    from eyas.formats.checkpoint import save_checkpoint
+
+    model, _ = tiny
+    good = tmp_path / "good"
+    save_checkpoint(good, trained, {})
+    off = tmp_path / "off"
+    save_checkpoint(off, trained, {})
+    cfg = json.loads((off / "config.json").read_text())
+    ids = [i - 1 for i in trained.cfg.aux_layer_ids]  # SGLang's convention: HF index - 1
+    cfg["eagle_config"] = {"use_aux_hidden_state": False, "eagle_aux_hidden_state_layer_ids": ids}
+    (off / "config.json").write_text(json.dumps(cfg))
+    prompts = [_prompt(s) for s in (100, 101)]
+    rate = {}
+    for name, ckpt, engine in (("eyas", good, "eyas"), ("sglang", good, "sglang"), ("off", off, "sglang")):
+        loaded = runtime.load_drafter(ckpt, model, engine, target_dir=tiny_target)
+        tr, dr = runtime.runners(model, loaded, runtime.Timer("cpu"))
+        acc = [a for p in prompts for a in runtime.generate(tr, dr, p, _settings("chain")).accepted]
+        rate[name] = sum(acc) / len(acc)
+    assert rate["sglang"] == pytest.approx(rate["eyas"]), rate
+    assert rate["off"] < 0.5 * rate["eyas"], rate
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_sampling_runs_end_to_end(tiny, trained, method):
+    model, _ = tiny
+    tr, dr = runtime.runners(model, _loaded(trained), runtime.Timer("cpu"))
+    s = _settings(method, temperature=0.7, top_p=0.9, eos_ids=(), seed=3)
+    a = runtime.generate(tr, dr, _prompt(100), s)
+    b = runtime.generate(tr, dr, _prompt(100), s)
+    assert len(a.tokens) == 40 and a.tokens == b.tokens  # seeded: reproducible
