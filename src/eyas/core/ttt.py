@@ -1,0 +1,236 @@
+"""Training-time test (EAGLE-3, DESIGN 6) as pure tensor code: the TTT attention, the
+per-step shifts, the target table, the loss and the acceptance metrics.
+
+Indexing (one sequence of length T; `x` tokens, `a` aux features, `l` final-norm states):
+
+    step 0:  state fc(a[t]), input token x[t+1], position id t
+    step i:  state next_input(out of step i-1 at t), input token x[t+1+i], position id t+i
+    target of step i at index t: softmax of the target's logits at position p = t+1+i
+             (lm_head(l[p]), which predicts x[p+1]) restricted to the draft vocabulary;
+    index t counts at step i iff p+1 <= T-1 and loss_mask[p+1] == 1 (= loss_mask[t+2+i]);
+    for the loss it must also have its target argmax (full vocabulary) inside the draft vocabulary.
+
+Attention at step i (query t): the step-0 keys at positions <= t (causal) plus, for each
+step j = 1..i, only step j's key at position t (the drafter's own earlier guesses for the
+same slot). `TTTAttention` computes exactly that with one softmax per query and memory
+linear in the number of steps, instead of the dense (K*T)^2 mask SpecForge builds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+STEP_WEIGHT = 0.8  # loss weight of step i is 0.8**i (EAGLE-3 / SpecForge / speculators)
+
+
+# ---------------------------------------------------------------- attention
+
+
+class TTTAttention:
+    """Stateful `attend(q, k, v)` for `Eagle3Drafter.layer`: call it once per TTT step, in order.
+
+    Keeps the per-step keys/values; step 0 is plain causal attention (SDPA), step i > 0
+    concatenates the causal step-0 scores with i diagonal scores (q_t . k^j_t) and takes
+    one softmax over both, GQA by grouping query heads (no repeated k/v copies).
+    """
+
+    def __init__(self) -> None:
+        self.ks: list[torch.Tensor] = []
+        self.vs: list[torch.Tensor] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.ks.append(k)
+        self.vs.append(v)
+        if len(self.ks) == 1:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return _ttt_step(q, self.ks, self.vs)
+
+
+def _ttt_step(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    B, nh, T, hd = q.shape
+    nkv = ks[0].shape[1]
+    qg = q.view(B, nkv, nh // nkv, T, hd)  # (B, nkv, g, T, hd)
+    scale = 1.0 / math.sqrt(hd)
+    s0 = torch.matmul(qg, ks[0].unsqueeze(2).transpose(-1, -2)) * scale  # (B, nkv, g, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    sd = torch.stack([(qg * kj.unsqueeze(2)).sum(-1) for kj in ks[1:]], dim=-1) * scale  # (B, nkv, g, T, i)
+    p = torch.softmax(torch.cat([s0, sd], dim=-1).float(), dim=-1).to(q.dtype)
+    o = torch.matmul(p[..., :T], vs[0].unsqueeze(2))  # (B, nkv, g, T, hd)
+    for j, vj in enumerate(vs[1:]):
+        o = o + p[..., T + j, None] * vj.unsqueeze(2)
+    return o.reshape(B, nh, T, hd)
+
+
+def dense_ttt_reference(qs: list[torch.Tensor], ks: list[torch.Tensor], vs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The naive form (for tests): all K*T keys, one dense (K*T)^2 boolean mask."""
+    K, (_, nh, T, hd), nkv = len(qs), qs[0].shape, ks[0].shape[1]
+    rep = nh // nkv
+    q = torch.cat(qs, dim=2)  # (B, nh, K*T, hd)
+    k = torch.cat(ks, dim=2).repeat_interleave(rep, dim=1)
+    v = torch.cat(vs, dim=2).repeat_interleave(rep, dim=1)
+    step = torch.arange(K).repeat_interleave(T)  # step of each row/col
+    pos = torch.arange(T).repeat(K)
+    qi, kj = step[:, None], step[None, :]
+    qt, ks_ = pos[:, None], pos[None, :]
+    mask = ((kj == 0) & (ks_ <= qt)) | ((kj >= 1) & (kj <= qi) & (ks_ == qt))
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    s = s.masked_fill(~mask, float("-inf"))
+    o = torch.softmax(s, dim=-1) @ v
+    return list(o.split(T, dim=2))
+
+
+# ---------------------------------------------------------------- shifts
+
+
+def shift_left(x: torch.Tensor, n: int, pad: int = 0) -> torch.Tensor:
+    """x[:, t+n] at index t (B, T), `pad` past the end."""
+    out = torch.full_like(x, pad)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def step_inputs(input_ids: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input tokens x[t+1+i] and position ids t+i of step i, both (B, T)."""
+    B, T = input_ids.shape
+    pos = torch.arange(T, device=input_ids.device).expand(B, T) + i
+    return shift_left(input_ids, 1 + i), pos
+
+
+# ---------------------------------------------------------------- target table
+
+
+@dataclass
+class TargetTable:
+    """The target's next-token distributions at supervised positions, computed once per batch.
+
+    Rows are the positions p with loss_mask[p+1] == 1 (all that any step needs).
+    """
+
+    index: torch.Tensor  # (B, T) long: row of position p, -1 when p is not supervised
+    probs: torch.Tensor  # (M, N) softmax over the draft vocabulary (target_ids)
+    argmax: torch.Tensor  # (M,) full-vocabulary argmax (target id)
+    in_vocab: torch.Tensor  # (M,) bool: argmax lies in the draft vocabulary
+
+    def step_rows(self, i: int) -> torch.Tensor:
+        """(B, T) row of the target of step i at index t (position t+1+i), -1 if none."""
+        return shift_left(self.index, 1 + i, pad=-1)
+
+    def step_counts(self, steps: int) -> torch.Tensor:
+        """(K,) number of loss positions (supervised and target argmax in vocab) per step."""
+        out = []
+        for i in range(steps):
+            r = self.step_rows(i)
+            r = r[r >= 0]
+            out.append(self.in_vocab[r].sum())
+        return torch.stack(out).to(torch.float32)
+
+
+@torch.no_grad()
+def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor, target_ids: torch.Tensor,
+                 t2d: torch.Tensor, chunk: int = 1024) -> TargetTable:
+    """Build the TargetTable from the final-norm states `last` (B, T, H) and the target's
+    `lm_head` (V, H). Logits are computed `chunk` positions at a time, so a 49k vocabulary at
+    T=2048 never materialises (B*T, V); only the (M, N) draft slice is kept."""
+    B, T, _ = last.shape
+    sup = torch.zeros(B, T, dtype=torch.bool, device=last.device)
+    sup[:, :-1] = loss_mask[:, 1:].bool()
+    index = torch.full((B, T), -1, dtype=torch.long, device=last.device)
+    M = int(sup.sum())
+    index[sup] = torch.arange(M, device=last.device)
+    states = last[sup]  # (M, H)
+    probs, argmax = [], []
+    w = lm_head.to(states.dtype)
+    for a in range(0, M, chunk):
+        logits = (states[a:a + chunk] @ w.T).float()  # (c, V); argmax is ~4x faster in fp32 than bf16 on CPU
+        argmax.append(logits.argmax(-1))
+        probs.append(torch.softmax(logits[:, target_ids], dim=-1))
+    N = target_ids.numel()
+    probs_t = torch.cat(probs) if probs else torch.zeros(0, N, device=last.device)
+    argmax_t = torch.cat(argmax) if argmax else torch.zeros(0, dtype=torch.long, device=last.device)
+    return TargetTable(index, probs_t, argmax_t, t2d[argmax_t])
+
+
+# ---------------------------------------------------------------- unrolled loss + metrics
+
+
+@dataclass
+class StepStats:
+    """Counts for metrics (per step, summed over positions; add them across batches)."""
+
+    loss_sum: torch.Tensor  # (K,) sum of soft CE over loss positions (detached)
+    loss_n: torch.Tensor  # (K,) loss positions
+    correct: torch.Tensor  # (K,) top-1 agreements at supervised positions
+    valid: torch.Tensor  # (K,) supervised positions
+    chain_correct: torch.Tensor  # (K,) right at step i and all earlier steps
+    chain_n: torch.Tensor  # (K,) supervised at steps 0..i and right at all earlier steps
+
+
+def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: TargetTable, steps: int,
+                denom: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
+    """Unroll `steps` TTT steps of `drafter` and return (loss, stats).
+
+    loss = sum_i 0.8**i * (sum of soft CE at step i) / denom[i]; `denom` defaults to the
+    batch's own loss-position counts (pass global counts under data parallelism).
+    """
+    denom = table.step_counts(steps) if denom is None else denom
+    h = drafter.fuse(aux)  # (B, T, H)
+    attend = TTTAttention()
+    B, T = input_ids.shape
+    chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    loss = h.new_zeros((), dtype=torch.float32)
+    stats = {k: [] for k in StepStats.__dataclass_fields__}
+    for i in range(steps):
+        ids, pos = step_inputs(input_ids, i)
+        out = drafter.layer(h, ids, pos, attend)  # (B, T, H)
+        rows = table.step_rows(i)
+        valid = rows >= 0  # (B, T)
+        r = rows[valid]
+        logits = drafter.logits(out[valid]).float()  # (M_i, N)
+        iv = table.in_vocab[r]
+        ce = -(table.probs[r] * torch.log_softmax(logits, dim=-1)).sum(-1)  # (M_i,)
+        ce_sum = ce[iv].sum()
+        loss = loss + (STEP_WEIGHT ** i) * ce_sum / denom[i].clamp(min=1)
+        right = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
+        right[valid] = drafter.draft_to_target(logits.argmax(-1)) == table.argmax[r]
+        chain = chain & valid
+        stats["loss_sum"].append(ce_sum.detach())
+        stats["loss_n"].append(iv.sum())
+        stats["correct"].append(right.sum())
+        stats["valid"].append(valid.sum())
+        stats["chain_n"].append(chain.sum())
+        chain = chain & right
+        stats["chain_correct"].append(chain.sum())
+        h = drafter.next_input(out)
+    return loss, StepStats(**{k: torch.stack(v).double() for k, v in stats.items()})
+
+
+def add_stats(a: StepStats | None, b: StepStats) -> StepStats:
+    if a is None:
+        return b
+    return StepStats(**{k: getattr(a, k) + getattr(b, k) for k in StepStats.__dataclass_fields__})
+
+
+def metrics(stats: StepStats) -> dict:
+    """acc_i, conditional acc_i (given steps < i right), per-step loss, and the simulated
+    acceptance length 1 + sum_k prod_{i<=k} cacc_i (conditional accuracies, so the product
+    is the share of positions whose first k+1 drafts are all right)."""
+    K = stats.valid.numel()
+    acc = (stats.correct / stats.valid.clamp(min=1)).tolist()
+    cacc = (stats.chain_correct / stats.chain_n.clamp(min=1)).tolist()
+    step_loss = (stats.loss_sum / stats.loss_n.clamp(min=1)).tolist()
+    al, prod = 1.0, 1.0
+    for c in cacc:
+        prod *= c
+        al += prod
+    out = {"loss": sum(STEP_WEIGHT ** i * step_loss[i] for i in range(K)), "accept_len": al}
+    out.update({f"acc_{i}": acc[i] for i in range(K)})
+    out.update({f"cacc_{i}": cacc[i] for i in range(K)})
+    out.update({f"loss_{i}": step_loss[i] for i in range(K)})
+    out["positions"] = int(stats.valid[0])
+    return out

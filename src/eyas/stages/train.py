@@ -1,0 +1,307 @@
+"""`eyas train`: EAGLE-3 training-time-test training of a drafter, offline from captured
+features (`--capture`) or with the target running in-process (`--online --data`).
+
+This driver resolves and validates the inputs (target, features, vocabulary, init
+checkpoint, run directory) and hands a ready drafter and feature source to
+`eyas.training.Trainer`. The same command runs under `torchrun` (DDP; `--fsdp` to shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from eyas import targets
+from eyas.core import vocab as core_vocab
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+from eyas.errors import EyasError
+from eyas.stages.common import add_json_flag, emit, provenance, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+HELP = """\
+Defaults are chosen for one-layer drafters on small targets: AdamW (betas 0.9/0.95, no weight
+decay), lr 1e-3 (speculators' default; the head starts from the target's), linear warmup over
+3% of the steps then cosine to 0, gradient clipping at 1.0, TTT length 7, loss weight 0.8**i.
+The drafter's embedding is the target's (frozen) and its lm_head starts from the target's
+lm_head rows of the draft ids. Writes RUN/metrics.jsonl, RUN/checkpoints/step-N (+ training
+state), RUN/best (highest simulated acceptance length), RUN/final, RUN/plots/curves.png.
+
+Multi-process: torchrun --nproc-per-node 4 -m eyas train ...   (one node)
+  torchrun --nnodes 2 --node-rank R --master-addr HOST --master-port 29500 --nproc-per-node 8 \\
+      -m eyas train ...                                         (each node; NCCL on GPU, gloo on CPU)
+"""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train an EAGLE-3 drafter (training-time test)",
+                       description=__doc__.splitlines()[0], epilog=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="built-in name or local HF directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--capture", type=Path, help="captured features (eyas capture)")
+    src.add_argument("--online", action="store_true", help="run the target in-process on --data")
+    p.add_argument("--data", type=Path, help="prepared data directory (with --online)")
+    p.add_argument("--layers", default="auto", help="aux layers for --online: auto = [2, L//2, L-3] or i,j,k")
+    p.add_argument("--vocab", required=True,
+                   help="vocab file (eyas vocab build), or `from-checkpoint` to keep --init-from's own mapping")
+    p.add_argument("--out", type=Path, required=True, help="run directory")
+    p.add_argument("--ttt", type=int, default=7, help="TTT unroll length K (default 7)")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the training split (default 1)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--batch-tokens", type=int, default=8192,
+                   help="padded tokens per optimizer step (batch x longest sample; default 8192)")
+    p.add_argument("--max-len", type=int, default=2048, help="truncate samples to this many tokens (default 2048)")
+    p.add_argument("--init-from", type=Path, help="start from this drafter checkpoint (any layout)")
+    p.add_argument("--remap", action="store_true",
+                   help="with --init-from: carry lm_head rows by target id when the vocabularies differ")
+    p.add_argument("--resume", action="store_true", help="continue RUN from its newest checkpoint")
+    p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (0: evaluate only)")
+    p.add_argument("--eval-every", type=int, default=200, help="evaluate + checkpoint every S steps (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed for init and data order (default 0)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                   help="compute dtype (autocast; master weights stay fp32; default bf16)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (under torchrun: cuda = local rank)")
+    p.add_argument("--warmup-ratio", type=float, default=0.03, help="share of steps for linear warmup (default 0.03)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm, 0 = off (default 1.0)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    p.add_argument("--keep-last", type=int, default=2, help="step checkpoints to keep (default 2)")
+    p.add_argument("--fsdp", action="store_true", help="shard the drafter with FSDP (fully_shard) under torchrun")
+    p.add_argument("--force", action="store_true", help="start over in a non-empty --out")
+    add_json_flag(p)
+    p.set_defaults(func=run_train)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_args(args) -> None:
+    bad = [(f, v) for f, v in (("--ttt", args.ttt), ("--epochs", args.epochs), ("--batch-tokens", args.batch_tokens),
+                               ("--eval-every", args.eval_every), ("--keep-last", args.keep_last)) if v < 1]
+    if bad:
+        raise EyasError(f"{bad[0][0]} {bad[0][1]} must be a positive integer; e.g. --ttt 7")
+    if not args.lr > 0:
+        raise EyasError(f"--lr {args.lr} must be positive; e.g. --lr 1e-3")
+    if args.max_len < 3:
+        raise EyasError(f"--max-len {args.max_len} is too short; TTT needs at least 3 tokens (e.g. 2048)")
+    if args.max_steps is not None and args.max_steps < 0:
+        raise EyasError(f"--max-steps {args.max_steps} must be >= 0")
+    if not 0 <= args.warmup_ratio < 1:
+        raise EyasError(f"--warmup-ratio {args.warmup_ratio} must lie in [0, 1)")
+    if args.online and args.data is None:
+        raise EyasError("--online needs --data DIR (prepared data, eyas data prepare)")
+    if args.remap and not args.init_from:
+        raise EyasError("--remap only applies with --init-from CKPT")
+    if args.vocab == "from-checkpoint" and not args.init_from:
+        raise EyasError("--vocab from-checkpoint needs --init-from CKPT")
+
+
+def _target_dir(spec: str) -> Path:
+    return targets.resolve(spec)
+
+
+def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], str]:
+    """(feature source, aux layer ids, description) after checking them against the target."""
+    from eyas import training
+
+    fp = targets.fingerprint(tdir)
+    L = tcfg.num_hidden_layers
+    if args.online:
+        from eyas.formats.data import read_manifest, read_samples
+
+        m = read_manifest(args.data)
+        if m.get("target_fingerprint") != fp:
+            raise EyasError(f"{args.data}/manifest.json was prepared for target fingerprint "
+                            f"{m.get('target_fingerprint')} but --target {tdir} has {fp}; prepare the data "
+                            "for this target (eyas data prepare --target ...)")
+        layers = targets.parse_layers(args.layers, L)
+        splits = {s: read_samples(args.data, s) for s in ("train", "eval")}
+        return training.OnlineSource(splits, model, layers, args.max_len), layers, str(args.data)
+    from eyas.formats.capture import CaptureReader
+
+    reader = CaptureReader(args.capture)
+    man = args.capture / "manifest.json"
+    if reader.target_fingerprint != fp:
+        raise EyasError(f"{man} was captured from target fingerprint {reader.target_fingerprint} but --target "
+                        f"{tdir} has {fp}; capture features from this target or pass the matching --target")
+    bad = [i for i in reader.layer_ids if not 0 <= i <= L]
+    if bad or reader.hidden_size != tcfg.hidden_size:
+        raise EyasError(f"{man}: layer ids {reader.layer_ids} / hidden size {reader.hidden_size} do not fit "
+                        f"--target {tdir} ({L} layers, hidden {tcfg.hidden_size}); recapture for this target")
+    splits = {s: training.CaptureSplit(reader, s) for s in ("train", "eval")}
+    return training.TensorSource(splits, args.max_len), list(reader.layer_ids), str(args.capture)
+
+
+def _load_vocab(args, tcfg):
+    from eyas.formats.vocab import load_vocab
+
+    vm = load_vocab(args.vocab)
+    if vm.target_size != tcfg.vocab_size:
+        raise EyasError(f"vocab file {args.vocab} covers {vm.target_size} target ids but --target has "
+                        f"{tcfg.vocab_size}; build the vocabulary for this target (eyas vocab build)")
+    return vm
+
+
+# ---------------------------------------------------------------- building the drafter
+
+
+def _set_vocab(d: Eagle3Drafter, ids: torch.Tensor) -> None:
+    d.d2t.copy_(core_vocab.d2t_from_ids(ids))
+    d.t2d.copy_(core_vocab.t2d_from_ids(ids, d.cfg.vocab_size))
+
+
+def fresh_drafter(tcfg, ids: torch.Tensor, aux: list[int], embed: torch.Tensor, head: torch.Tensor,
+                  seed: int) -> Eagle3Drafter:
+    """A new drafter sized like the target: embedding = the target's (frozen), lm_head = the
+    target's lm_head rows of the draft ids (as speculators does; training starts far above chance)."""
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, ids.numel(), aux))
+    d.load_target_embedding(embed)
+    with torch.no_grad():
+        d.lm_head.weight.copy_(head[ids])
+    _set_vocab(d, ids)
+    return d
+
+
+def _read_init(ckpt: Path) -> tuple[DrafterConfig, dict, dict]:
+    from eyas.formats import checkpoint as ck
+
+    if ck.is_eyas_checkpoint(ckpt):
+        d, meta = ck.load_checkpoint(ckpt)
+        return d.cfg, d.trainable_state_dict(), meta
+    try:
+        from eyas.formats.engines import import_checkpoint
+    except ImportError as e:
+        raise EyasError(f"--init-from {ckpt}: not an eyas checkpoint, and this eyas cannot import other "
+                        "layouts; convert it with `eyas convert` first") from e
+    return import_checkpoint(ckpt)
+
+
+def init_drafter(args, tcfg, vm, aux: list[int], embed: torch.Tensor, head: torch.Tensor) -> tuple[Eagle3Drafter, dict]:
+    """The drafter to train from --init-from, with the vocabulary decision made explicit."""
+    cfg, state, _ = _read_init(args.init_from)
+    if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
+        raise EyasError(f"--init-from {args.init_from}: drafter for vocab {cfg.vocab_size} / hidden "
+                        f"{cfg.target_hidden_size}, but --target has {tcfg.vocab_size} / {tcfg.hidden_size}; "
+                        "initialise from a drafter of this target")
+    if list(cfg.aux_layer_ids) != list(aux):
+        raise EyasError(f"--init-from {args.init_from}: drafter reads aux layers {cfg.aux_layer_ids} but the "
+                        f"features hold {aux}; capture those layers (eyas capture --layers "
+                        f"{','.join(map(str, cfg.aux_layer_ids))})")
+    old_ids = core_vocab.target_ids(state["d2t"])
+    new_ids = old_ids if vm is None else vm.target_ids
+    info = {"init_from": str(args.init_from), "vocab": "checkpoint" if vm is None else "same"}
+    if vm is not None and not torch.equal(old_ids, new_ids):
+        rep = core_vocab.compare_maps(old_ids, new_ids)
+        if not args.remap:
+            raise EyasError(
+                f"vocabulary mismatch: --init-from {args.init_from} maps its {rep['size_a']} draft ids to other "
+                f"target ids than --vocab {args.vocab} ({rep['size_b']} ids): same position {rep['same_position']}"
+                f"/{rep['size_b']}, overlap {rep['overlap']} ({rep['b_served_by_a']:.1%} of --vocab's ids held by "
+                "the checkpoint); training across it would start from wrong lm_head rows. Fix: --remap (carry "
+                "rows by target id), or --vocab from-checkpoint (keep the checkpoint's mapping)")
+        head_w, carried = core_vocab.remap_rows(state["lm_head.weight"], old_ids, new_ids, head[new_ids])
+        state = {**state, "lm_head.weight": head_w, "d2t": core_vocab.d2t_from_ids(new_ids),
+                 "t2d": core_vocab.t2d_from_ids(new_ids, cfg.vocab_size)}
+        cfg = replace(cfg, draft_vocab_size=new_ids.numel())
+        info.update(vocab="remapped", rows_carried=carried, **{f"compare_{k}": v for k, v in rep.items()})
+        log.info("remapped lm_head by target id: %d of %d rows carried", carried, new_ids.numel())
+    d = Eagle3Drafter(cfg)
+    benign = ("embed_tokens.", "verifier_lm_head.", "verifier_norm.")  # peers' frozen copies of target weights
+    missing, unexpected = d.load_state_dict({k: v for k, v in state.items() if not k.startswith(benign)},
+                                            strict=False)
+    if [k for k in missing if not k.startswith("embed_tokens.")] or unexpected:
+        raise EyasError(f"--init-from {args.init_from}: missing keys {missing[:6]}, unexpected {unexpected[:6]}; "
+                        "pass a one-layer EAGLE-3 drafter checkpoint")
+    d.load_target_embedding(embed)
+    return d, info
+
+
+# ---------------------------------------------------------------- the run directory
+
+
+def _prepare_out(args, dist_) -> None:
+    out: Path = args.out
+    busy = out.exists() and any(p.name not in ("metrics.jsonl",) for p in out.iterdir())
+    if busy and not args.resume and not args.force:
+        raise EyasError(f"--out {out} already holds a run; pass --resume to continue it, --force to start over, "
+                        "or choose another --out")
+    if dist_.main and busy and args.force and not args.resume:
+        import shutil
+
+        shutil.rmtree(out)
+    if dist_.main:
+        out.mkdir(parents=True, exist_ok=True)
+    if dist_.world > 1:
+        torch.distributed.barrier()
+
+
+def _trim_metrics(out: Path, step: int) -> None:
+    """Drop metric lines written after the checkpoint a resumed run restarts from."""
+    f = out / "metrics.jsonl"
+    if f.is_file():
+        keep = [ln for ln in f.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        f.write_text("".join(ln + "\n" for ln in keep))
+
+
+def run_train(args) -> int:
+    from eyas import training
+
+    _check_args(args)
+    device = targets.parse_device(args.device)
+    dist_ = training.init_distributed(device)
+    if device.type == "cuda" and dist_.world > 1:
+        device = torch.device("cuda", int(__import__("os").environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    tdir = _target_dir(args.target)
+    tcfg = targets.load_config(tdir)
+    vm = None if args.vocab == "from-checkpoint" else _load_vocab(args, tcfg)
+    model, _ = targets.load(tdir, dtype=args.dtype if args.online else "fp32", device=str(device) if args.online else "cpu")
+    embed = model.get_input_embeddings().weight.detach().float().cpu()
+    head = model.get_output_embeddings().weight.detach().float().cpu()
+    source, aux, where = _features(args, tdir, tcfg, model, dist_)
+    if not args.online:
+        del model
+    if args.init_from:
+        drafter, init_info = init_drafter(args, tcfg, vm, aux, embed, head)
+    else:
+        drafter, init_info = fresh_drafter(tcfg, vm.target_ids, aux, embed, head, args.seed), {"init": "target head"}
+    if not source.lengths("eval"):
+        log.warning("no eval samples in %s: evaluating on the training split", where)
+        source.splits["eval"] = source.splits["train"]
+    cfg = training.TrainConfig(ttt=args.ttt, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens,
+                               max_len=args.max_len, max_steps=args.max_steps, eval_every=args.eval_every,
+                               seed=args.seed, dtype=args.dtype, device=str(device), warmup_ratio=args.warmup_ratio,
+                               grad_clip=args.grad_clip, weight_decay=args.weight_decay, keep_last=args.keep_last,
+                               fsdp=args.fsdp)
+    _prepare_out(args, dist_)
+    from eyas.formats.vocab import vocab_fingerprint
+
+    meta = {"kind": "eyas.train", "target": str(tdir), "target_fingerprint": targets.fingerprint(tdir),
+            "aux_layer_ids": aux, "features": where, "vocab": str(args.vocab),
+            "vocab_fingerprint": vocab_fingerprint(drafter.d2t, drafter.cfg.vocab_size),
+            "train_config": cfg.__dict__, "init": init_info, "provenance": provenance(args)}
+    trainer = training.Trainer(cfg, drafter, source, training.Target(head, meta["target_fingerprint"]),
+                               args.out, meta, dist_)
+    start = trainer.resume() if args.resume else 0
+    if dist_.main:
+        if args.resume:
+            _trim_metrics(args.out, start)
+        write_json_atomic(args.out / "run.json", meta)
+    result = trainer.run()
+    if dist_.main:
+        s = {"out": str(args.out), "resumed_from": start, **getattr(trainer, "summary", {}),
+             "checkpoint": str(args.out / "final"), "best": str(args.out / "best")}
+        acc = " ".join(f"acc_{i}={result.get(f'acc_{i}', 0):.3f}" for i in range(args.ttt))
+        emit(args, s, f"trained {trainer.step} steps -> {args.out / 'final'}\n"
+                      f"eval: loss {result.get('loss', float('nan')):.4f}  {acc}  "
+                      f"simulated acceptance length {result.get('accept_len', float('nan')):.3f}")
+    if dist_.world > 1:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0

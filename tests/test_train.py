@@ -1,0 +1,242 @@
+"""`eyas train` end to end on a tiny target: overfitting, resume bit-identity, DDP
+equivalence, vocabulary-mismatch refusal and --remap, divergence, bad input (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny
+from eyas import training
+from eyas.cli import main
+from eyas.formats.checkpoint import read_tensors
+
+COMMON = ("--dtype", "fp32", "--batch-tokens", "4096", "--max-len", "96")
+
+
+def _run(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def _sharp_target(out: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    tiny.build_target(out, tokenizer=tiny.build_tokenizer(), seed=1)
+    m = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4.0)
+    m.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory, tiny_target):
+    """Prepared data (6 train + eval), a full-vocabulary and a partial vocab, and a capture."""
+    root = tmp_path_factory.mktemp("train")
+    lines = tiny.corpus(40, seed=3)
+    chats = root / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(0, 40, 2):
+            msg = [{"role": "user", "content": lines[i]},
+                   {"role": "assistant", "content": lines[i + 1] + " " + lines[(i + 7) % 40]}]
+            f.write(json.dumps({"messages": msg}) + "\n")
+    os.environ["EYAS_NO_PROGRESS"] = "1"
+    p = {"root": root, "target": tiny_target}
+    assert _run("data", "prepare", "--target", tiny_target, "--input", chats, "--out", root / "data",
+                "--eval-fraction", "0.3", "--limit", "12") == 0
+    assert _run("vocab", "build", "--data", root / "data", "--size", "100", "--out", root / "vocab.safetensors") == 0
+    V = len(tiny.build_tokenizer())
+    assert _run("vocab", "build", "--data", root / "data", "--size", V, "--out", root / "full.safetensors") == 0
+    assert _run("capture", "--target", tiny_target, "--data", root / "data", "--out", root / "cap",
+                "--dtype", "fp32") == 0
+    # A small repeated set with no eval split (eval falls back to train) and the final-norm
+    # state among the aux layers, so a tiny drafter can fit the target exactly.
+    # Its target has a sharper head, so top-1 is well defined at most positions.
+    sharp = _sharp_target(root / "sharp")
+    assert _run("data", "prepare", "--target", sharp, "--input", chats, "--out", root / "data0",
+                "--eval-fraction", "0", "--limit", "6") == 0
+    assert _run("capture", "--target", sharp, "--data", root / "data0", "--out", root / "cap0",
+                "--dtype", "fp32", "--layers", "2,3,4") == 0
+    p.update(cap0=root / "cap0", sharp=sharp)
+    p.update(data=root / "data", vocab=root / "vocab.safetensors", full=root / "full.safetensors", cap=root / "cap")
+    return p
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(ck: Path) -> dict[str, torch.Tensor]:
+    return read_tensors(ck / "model.safetensors")
+
+
+def test_overfit_small_repeated_set(pipe, tmp_path, eyas_cli):
+    run = tmp_path / "run"
+    code, out, err = eyas_cli("train", "--target", pipe["sharp"], "--capture", pipe["cap0"], "--vocab", pipe["full"],
+                              "--out", run, "--ttt", "1", "--epochs", "30", "--lr", "1e-2", "--eval-every", "15",
+                              "--warmup-ratio", "0.05", "--json", *COMMON)
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["acc_0"] > 0.9, summary
+    ev = [m for m in _metrics(run) if m["kind"] == "eval"]
+    assert [m["step"] for m in ev] == [15, 30] and ev[-1]["acc_0"] == summary["acc_0"]
+    for name in ("final", "best", "plots/curves.png", "run.json", "checkpoints/step-30/train_state.pt"):
+        assert (run / name).exists(), name
+
+
+def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
+    args = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--ttt", "2",
+            "--epochs", "3", "--max-steps", "7", "--eval-every", "2", "--batch-tokens", "300", "--max-len", "96",
+            "--dtype", "fp32", "--keep-last", "3")
+    assert eyas_cli("train", "--out", tmp_path / "a", *args)[0] == 0
+
+    def kill(step):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(training, "STEP_HOOKS", [kill])
+    code, _, err = eyas_cli("train", "--out", tmp_path / "b", *args)
+    assert code == 130, err
+    assert sorted(training.checkpoint_steps(tmp_path / "b")) == [2, 4]
+    code, out, err = eyas_cli("train", "--out", tmp_path / "b", *args)
+    assert code == 2 and "--resume" in err  # never silently overwrites a run
+    monkeypatch.setattr(training, "STEP_HOOKS", [])
+    code, out, err = eyas_cli("train", "--out", tmp_path / "b", "--resume", "--json", *args)
+    assert code == 0, err
+    assert json.loads(out)["resumed_from"] == 4
+    wa, wb = _weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    steps_b = [m["step"] for m in _metrics(tmp_path / "b") if m["kind"] == "eval"]
+    assert steps_b == [2, 4, 6, 7]
+
+
+def test_ddp_two_processes_equal_one(pipe, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1"}
+    args = ["--target", str(pipe["target"]), "--capture", str(pipe["cap"]), "--vocab", str(pipe["vocab"]),
+            "--ttt", "2", "--max-steps", "2", "--eval-every", "100", "--batch-tokens", "400", "--max-len", "96",
+            "--dtype", "fp32", "--lr", "1e-3"]
+    procs = []
+    runs = ((1, tmp_path / "one", []), (2, tmp_path / "two", []), (2, tmp_path / "fsdp", ["--fsdp"]))
+    for n, (procs_n, out, extra) in enumerate(runs):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs_n), "--master-port",
+               str(29500 + n + os.getpid() % 500 * 3), "-m", "eyas", "train", "--out", str(out), *args, *extra]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out[-3000:]
+    w1, w2, w3 = (_weights(tmp_path / r / "final") for r in ("one", "two", "fsdp"))
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=5e-5)
+        torch.testing.assert_close(w3[k], w2[k], rtol=1e-3, atol=5e-5)
+    e1 = [m for m in _metrics(tmp_path / "one") if m["kind"] == "eval"][-1]
+    e2 = [m for m in _metrics(tmp_path / "two") if m["kind"] == "eval"][-1]
+    assert e1["positions"] == e2["positions"]
+    assert e1["loss"] == pytest.approx(e2["loss"], rel=1e-4)
+
+
+def test_vocab_mismatch_refused_and_remap_keeps_accuracy(pipe, tmp_path, eyas_cli):
+    from eyas.core import vocab as cv
+    from eyas.formats.vocab import load_vocab, save_vocab, VocabMap
+
+    # A drafter trained briefly on vocab A.
+    a = tmp_path / "a"
+    assert eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                    "--out", a, "--ttt", "1", "--max-steps", "4", "--lr", "1e-2", *COMMON)[0] == 0
+    # Vocab B: A without its lowest id, so every row of A's head shifts by one position.
+    vm = load_vocab(pipe["vocab"])
+    ids = vm.target_ids[1:]
+    b = tmp_path / "b.safetensors"
+    save_vocab(b, VocabMap(cv.d2t_from_ids(ids), cv.t2d_from_ids(ids, vm.target_size)))
+    base = ("--target", pipe["target"], "--capture", pipe["cap"], "--init-from", a / "final", "--max-steps", "0",
+            "--ttt", "1", "--json", *COMMON)
+    code, out, err = eyas_cli("train", "--vocab", b, "--out", tmp_path / "refused", *base)
+    assert code == 2
+    assert "vocabulary mismatch" in err and "same position 0/99" in err and "--remap" in err
+    code, out, err = eyas_cli("train", "--vocab", "from-checkpoint", "--out", tmp_path / "orig", *base)
+    assert code == 0, err
+    orig = json.loads(out)
+    code, out, err = eyas_cli("train", "--vocab", b, "--remap", "--out", tmp_path / "remapped", *base)
+    assert code == 0, err
+    remapped = json.loads(out)
+    assert remapped["positions"] == orig["positions"]
+    assert remapped["acc_0"] == pytest.approx(orig["acc_0"])
+    w = _weights(tmp_path / "remapped" / "final")["lm_head.weight"]
+    torch.testing.assert_close(w, _weights(a / "final")["lm_head.weight"][1:])
+
+
+def test_nan_stops_with_step_named_and_keeps_last_good_checkpoint(pipe, tmp_path, eyas_cli, monkeypatch):
+    real = training.TensorSource.batch
+    calls = {"n": 0}
+
+    def poisoned(self, split, idxs):
+        b = real(self, split, idxs)
+        if split == "train":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                b.aux[0, 0, 0] = float("nan")
+        return b
+
+    monkeypatch.setattr(training.TensorSource, "batch", poisoned)
+    run = tmp_path / "run"
+    code, out, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                              "--out", run, "--ttt", "2", "--max-steps", "5", "--eval-every", "2",
+                              "--batch-tokens", "300", "--max-len", "96", "--dtype", "fp32")
+    assert code == 2
+    assert "non-finite loss at step 3" in err and "step-2" in err
+    assert training.checkpoint_steps(run) == [2]
+    assert not (run / "final").exists()
+
+
+@pytest.mark.parametrize("bad,expect", [
+    (("--ttt", "0"), "--ttt 0"),
+    (("--lr", "-1"), "--lr -1"),
+    (("--vocab", "/nonexistent/vocab.safetensors"), "does not exist"),
+])
+def test_bad_arguments_exit_2(pipe, tmp_path, eyas_cli, bad, expect):
+    argv = {"--target": str(pipe["target"]), "--capture": str(pipe["cap"]), "--vocab": str(pipe["vocab"]),
+            "--out": str(tmp_path / "r")}
+    argv.update(dict(zip(bad[::2], bad[1::2])))
+    code, out, err = eyas_cli("train", *[x for kv in argv.items() for x in kv])
+    assert code == 2 and expect in err, err
+    assert "Traceback" not in err
+
+
+def test_wrong_capture_for_target_exit_2(pipe, tiny_targets, tmp_path, eyas_cli):
+    other = tiny.build_target(tmp_path / "other", hidden=32, layers=2, tokenizer=tiny.build_tokenizer())
+    code, out, err = eyas_cli("train", "--target", other, "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                              "--out", tmp_path / "r")
+    assert code == 2 and "manifest.json" in err and str(other) in err
+
+
+def test_incompatible_init_checkpoint_exit_2(pipe, tmp_path, eyas_cli):
+    from eyas import targets
+    from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.formats.checkpoint import save_checkpoint
+
+    cfg = DrafterConfig.from_target(targets.load_config(pipe["target"]), 100, [1, 2, 3])
+    save_checkpoint(tmp_path / "ck", Eagle3Drafter(cfg), {})
+    code, out, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                              "--init-from", tmp_path / "ck", "--out", tmp_path / "r")
+    assert code == 2 and "aux layers [1, 2, 3]" in err
+
+
+def test_online_matches_offline_features(pipe, tmp_path, eyas_cli):
+    # --online computes the same features in-process: identical eval metrics at init.
+    base = ("--target", pipe["target"], "--vocab", pipe["vocab"], "--max-steps", "0", "--ttt", "2", "--json",
+            *COMMON)
+    code, out, err = eyas_cli("train", "--capture", pipe["cap"], "--out", tmp_path / "off", *base)
+    assert code == 0, err
+    off = json.loads(out)
+    code, out, err = eyas_cli("train", "--online", "--data", pipe["data"], "--out", tmp_path / "on", *base)
+    assert code == 0, err
+    on = json.loads(out)
+    assert on["positions"] == off["positions"]
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-4)

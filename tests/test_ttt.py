@@ -1,0 +1,189 @@
+"""core/ttt.py: TTT attention vs a dense-mask reference, shifts, target table, loss vs a
+naive per-position reference, and the acceptance metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eyas.core import ttt
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+
+
+def _qkv(K, B=2, nh=4, nkv=2, T=6, hd=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(B, h, T, hd, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    return [mk(nh) for _ in range(K)], [mk(nkv) for _ in range(K)], [mk(nkv) for _ in range(K)]
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_ttt_attention_equals_dense_mask_values_and_grads(K):
+    qs, ks, vs = _qkv(K)
+    att = ttt.TTTAttention()
+    got = [att(q, k, v) for q, k, v in zip(qs, ks, vs)]
+    ref = ttt.dense_ttt_reference(qs, ks, vs)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    w = [torch.randn_like(o) for o in got]
+    g1 = torch.autograd.grad(sum((o * x).sum() for o, x in zip(got, w)), qs + ks + vs)
+    g2 = torch.autograd.grad(sum((o * x).sum() for o, x in zip(ref, w)), qs + ks + vs)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_dense_reference_mask_semantics():
+    # step 2, query t=3 sees step-0 keys 0..3 and the keys of steps 1 and 2 at t=3 only.
+    T = 5
+    q = [torch.zeros(1, 1, T, 2) for _ in range(3)]
+    v = [torch.zeros(1, 1, T, 2) for _ in range(3)]
+    k = [torch.zeros(1, 1, T, 2) for _ in range(3)]
+    v[1][0, 0, 3] = torch.tensor([9.0, 0.0])  # only visible at t=3
+    v[1][0, 0, 4] = torch.tensor([0.0, 100.0])  # never visible from t=3
+    out = ttt.dense_ttt_reference(q, k, v)[2][0, 0, 3]
+    torch.testing.assert_close(out, torch.tensor([9.0 / 6, 0.0]))  # uniform over 4 + 2 keys
+
+
+def test_shifts_and_positions():
+    x = torch.arange(10).view(1, 10)
+    ids, pos = ttt.step_inputs(x, 0)
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 0]] and pos[0, 0] == 0
+    ids, pos = ttt.step_inputs(x, 2)
+    assert ids[0, :7].tolist() == [3, 4, 5, 6, 7, 8, 9] and ids[0, 7:].tolist() == [0, 0, 0]
+    assert pos[0].tolist() == list(range(2, 12))
+
+
+def test_target_table_rows_and_masks():
+    B, T, H, V = 1, 8, 4, 6
+    torch.manual_seed(0)
+    last = torch.randn(B, T, H)
+    lm = torch.randn(V, H)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1]])
+    tids = torch.tensor([0, 2, 3, 5])
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[tids] = True
+    tab = ttt.target_table(last, mask, lm, tids, t2d, chunk=2)
+    # supervised target positions p: mask[p+1] == 1 -> p in {1, 2, 4, 5, 6}
+    assert (tab.index[0] >= 0).nonzero().flatten().tolist() == [1, 2, 4, 5, 6]
+    full = last[0] @ lm.T
+    for p in [1, 2, 4, 5, 6]:
+        r = int(tab.index[0, p])
+        assert int(tab.argmax[r]) == int(full[p].argmax())
+        torch.testing.assert_close(tab.probs[r], torch.softmax(full[p, tids], -1))
+        assert bool(tab.in_vocab[r]) == bool(t2d[full[p].argmax()])
+    # step i at index t uses position t+1+i and counts iff mask[t+2+i] == 1
+    for i in range(3):
+        rows = tab.step_rows(i)[0]
+        for t in range(T):
+            ok = t + 2 + i < T and mask[0, t + 2 + i] == 1
+            assert (int(rows[t]) >= 0) == ok
+            if ok:
+                assert int(rows[t]) == int(tab.index[0, t + 1 + i])
+
+
+def tiny_drafter(V=32, N=20, H=16, seed=0):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=4, intermediate_size=32, vocab_size=V, draft_vocab_size=N,
+                        aux_layer_ids=[1, 2, 3])
+    d = Eagle3Drafter(cfg).double()
+    for p in d.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.3)
+    d.load_target_embedding(torch.randn(V, H, dtype=torch.float64))
+    ids = torch.sort(torch.randperm(V)[:N]).values
+    d.d2t.copy_(ids - torch.arange(N))
+    d.t2d.zero_()
+    d.t2d[ids] = True
+    return d, ids
+
+
+class _DenseStepAttend:
+    """Per-step dense attention over all keys so far with an explicit (T, (i+1)T) mask."""
+
+    def __init__(self):
+        self.ks, self.vs = [], []
+
+    def __call__(self, q, k, v):
+        self.ks.append(k)
+        self.vs.append(v)
+        i, T = len(self.ks) - 1, q.shape[2]
+        rep = q.shape[1] // k.shape[1]
+        K_ = torch.cat(self.ks, 2).repeat_interleave(rep, 1)
+        V_ = torch.cat(self.vs, 2).repeat_interleave(rep, 1)
+        allowed = torch.zeros(T, (i + 1) * T, dtype=torch.bool)
+        for t in range(T):
+            allowed[t, : t + 1] = True
+            for j in range(1, i + 1):
+                allowed[t, j * T + t] = True
+        s = (q @ K_.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ V_
+
+
+def naive_loss(d, aux, x, last, mask, lm_head, K):
+    """Position by position: the issue's definition written as loops."""
+    h = d.fuse(aux)
+    att = _DenseStepAttend()
+    B, T = x.shape
+    total = 0.0
+    outs = []
+    for i in range(K):
+        ids = torch.zeros_like(x)
+        ids[:, : T - 1 - i] = x[:, 1 + i:]
+        pos = torch.arange(T).expand(B, T) + i
+        out = d.layer(h, ids, pos, att)
+        outs.append(d.logits(out))
+        h = out
+    tids = torch.arange(d.d2t.numel()) + d.d2t
+    for i in range(K):
+        ces = []
+        for b in range(B):
+            for t in range(T):
+                p = t + 1 + i
+                if p + 1 >= T or mask[b, p + 1] != 1:
+                    continue
+                full = last[b, p] @ lm_head.T
+                if not bool(d.t2d[full.argmax()]):
+                    continue
+                tgt = torch.softmax(full[tids], -1)
+                ces.append(-(tgt * torch.log_softmax(outs[i][b, t], -1)).sum())
+        if ces:
+            total = total + 0.8 ** i * torch.stack(ces).mean()
+    return total
+
+
+def _batch(V=32, H=16, B=2, T=9, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    aux = torch.randn(B, T, 3 * H, generator=g, dtype=torch.float64)
+    x = torch.randint(0, V, (B, T), generator=g)
+    last = torch.randn(B, T, H, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) > 0.3).long()
+    lm = torch.randn(V, H, generator=g, dtype=torch.float64)
+    return aux, x, last, mask, lm
+
+
+def test_loss_matches_naive_reference_and_grads():
+    d, ids = tiny_drafter()
+    aux, x, last, mask, lm = _batch()
+    K = 3
+    tab = ttt.target_table(last, mask, lm, ids, d.t2d, chunk=5)
+    loss, stats = ttt.ttt_forward(d, aux, x, tab, K)
+    ref = naive_loss(d, aux, x, last, mask, lm, K)
+    torch.testing.assert_close(loss, ref.to(loss.dtype))
+    params = [p for p in d.parameters() if p.requires_grad]
+    g1 = torch.autograd.grad(loss, params)
+    g2 = torch.autograd.grad(ref, params)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b.to(a.dtype))
+    assert stats.valid.tolist()[0] >= stats.valid.tolist()[-1]
+
+
+def test_metrics_conditional_and_accept_length():
+    s = ttt.StepStats(loss_sum=torch.tensor([1.0, 2.0]), loss_n=torch.tensor([2.0, 2.0]),
+                      correct=torch.tensor([3.0, 1.0]), valid=torch.tensor([4.0, 4.0]),
+                      chain_correct=torch.tensor([3.0, 1.0]), chain_n=torch.tensor([4.0, 2.0]))
+    m = ttt.metrics(s)
+    assert m["acc_0"] == 0.75 and m["acc_1"] == 0.25 and m["cacc_1"] == 0.5
+    assert m["accept_len"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
+    assert m["loss"] == pytest.approx(0.5 + 0.8 * 1.0)
