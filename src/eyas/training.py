@@ -28,7 +28,7 @@ from torch import nn
 from eyas.core import ttt
 from eyas.core.drafter import Eagle3Drafter
 from eyas.errors import EyasError
-from eyas.formats.checkpoint import read_tensors, save_checkpoint
+from eyas.formats.checkpoint import read_tensors, save_checkpoint, sweep_partial
 
 log = logging.getLogger(__name__)
 
@@ -351,30 +351,32 @@ class Trainer:
         bar = self._bar()
         last_eval: dict = {}
         t0, tokens = time.perf_counter(), 0
-        while self.step < self.total and self.epoch < cfg.epochs:
-            plan = plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, self.epoch, self.dist.world)
-            while self.batch_in_epoch < len(plan) and self.step < self.total:
-                idxs = plan[self.batch_in_epoch][self.dist.rank::self.dist.world]
-                b = self.source.batch("train", idxs)
-                r = self.train_step(b)
-                self.step += 1
-                self.batch_in_epoch += 1
-                tokens += b.tokens * self.dist.world
-                tps = tokens / max(1e-9, time.perf_counter() - t0)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{tps:,.0f}")
-                if self.step % cfg.log_every == 0 or self.step == 1:
-                    self._log({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": r["loss"],
-                               "grad_norm": r["grad_norm"], "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps})
-                for hook in STEP_HOOKS:
-                    hook(self.step)
-                if self.step % cfg.eval_every == 0 and self.step < self.total:
-                    last_eval = self._eval_and_save()
-            if self.batch_in_epoch >= len(plan):
-                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        if bar is not None:
-            bar.close()
+        try:
+            while self.step < self.total and self.epoch < cfg.epochs:
+                plan = plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, self.epoch, self.dist.world)
+                while self.batch_in_epoch < len(plan) and self.step < self.total:
+                    idxs = plan[self.batch_in_epoch][self.dist.rank::self.dist.world]
+                    b = self.source.batch("train", idxs)
+                    r = self.train_step(b)
+                    self.step += 1
+                    self.batch_in_epoch += 1
+                    tokens += b.tokens * self.dist.world
+                    tps = tokens / max(1e-9, time.perf_counter() - t0)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{tps:,.0f}")
+                    if self.step % cfg.log_every == 0 or self.step == 1:
+                        self._log({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": r["loss"],
+                                   "grad_norm": r["grad_norm"], "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps})
+                    for hook in STEP_HOOKS:
+                        hook(self.step)
+                    if self.step % cfg.eval_every == 0 and self.step < self.total:
+                        last_eval = self._eval_and_save()
+                if self.batch_in_epoch >= len(plan):
+                    self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        finally:  # close the bar so an error prints on its own line
+            if bar is not None:
+                bar.close()
         if not last_eval or last_eval.get("step") != self.step:
             last_eval = self._eval_and_save()
         self._finish(last_eval, tokens / max(1e-9, time.perf_counter() - t0))
@@ -482,6 +484,9 @@ class Trainer:
 
     def resume(self) -> int:
         """Load the newest complete checkpoint (weights, optimizer, schedule, RNG, data position)."""
+        for parent in (self.out / "checkpoints", self.out):
+            for name in sweep_partial(parent):
+                log.info("removed %s/%s left by an interrupted checkpoint write", parent, name)
         ck = self._latest_checkpoint()
         if ck is None:
             return 0

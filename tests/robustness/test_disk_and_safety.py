@@ -65,8 +65,6 @@ def test_capture_disk_full(healthy, tmp_path, cli, monkeypatch):
     assert str(out) in line
 
 
-@pytest.mark.xfail(strict=True, reason="train: OSError(ENOSPC) from the checkpoint writer escapes as a traceback "
-                   "(owner: training.py Trainer.save / formats/checkpoint.save_checkpoint)")
 def test_train_disk_full(healthy, tmp_path, cli, monkeypatch):
     from eyas.formats import checkpoint as ck
     from eyas.training import checkpoint_steps

@@ -160,9 +160,6 @@ def test_kill_train(healthy, tmp_path):
 
 
 
-@pytest.mark.xfail(strict=True, reason="save_checkpoint temp dirs (checkpoints/.step-N.tmp.*) left by a SIGKILL "
-                   "during a checkpoint write are never swept by `eyas train --resume` (owner: training.py / lead's "
-                   "formats/checkpoint.py); seen after real kills in test_kill_train, planted here deterministically")
 def test_resume_sweeps_temp_checkpoint_dirs(healthy, tmp_path, cli):
     import shutil
 

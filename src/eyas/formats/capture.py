@@ -230,6 +230,12 @@ class CaptureReader:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def open_all(self) -> None:
+        """Open (and, with `verify`, hash) every shard now, so a missing or damaged shard is
+        reported before a consumer creates any output."""
+        for name in self._shards:
+            self._handle(name)
+
     def split_indices(self, split: str) -> list[int]:
         return [i for i, s in enumerate(self.samples) if s["split"] == split]
 

@@ -100,6 +100,19 @@ def save_checkpoint(out: Path, drafter: Eagle3Drafter, meta: dict, dtype: torch.
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def sweep_partial(parent: Path) -> list[str]:
+    """Remove what a killed `save_checkpoint` left in `parent` (`.NAME.tmp.*`, `.NAME.old`
+    directories); finished checkpoints are never touched. Returns the names removed."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    junk = [p for p in parent.iterdir() if p.is_dir() and p.name.startswith(".")
+            and (".tmp." in p.name or p.name.endswith(".old"))]
+    for p in junk:
+        shutil.rmtree(p, ignore_errors=True)
+    return sorted(p.name for p in junk)
+
+
 def read_config(ckpt: Path) -> DrafterConfig:
     cfg = read_json(Path(ckpt) / "config.json")
     if cfg.get("format") != FORMAT:

@@ -125,6 +125,7 @@ def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], 
     from eyas.formats.capture import CaptureReader
 
     reader = CaptureReader(args.capture)
+    reader.open_all()  # a missing or damaged shard fails here, before --out is created
     man = args.capture / "manifest.json"
     if reader.target_fingerprint != fp:
         raise EyasError(f"{man} was captured from target fingerprint {reader.target_fingerprint} but --target "
