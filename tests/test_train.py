@@ -240,3 +240,17 @@ def test_online_matches_offline_features(pipe, tmp_path, eyas_cli):
     on = json.loads(out)
     assert on["positions"] == off["positions"]
     assert on["loss"] == pytest.approx(off["loss"], rel=1e-4)
+
+
+def test_several_captures_are_trained_together(pipe, tmp_path, eyas_cli):
+    # The same capture given twice: every split holds each sample twice, so the eval counts double.
+    base = ("--target", pipe["target"], "--vocab", pipe["vocab"], "--max-steps", "0", "--ttt", "2", "--json",
+            *COMMON)
+    code, out, err = eyas_cli("train", "--capture", pipe["cap"], "--out", tmp_path / "one", *base)
+    assert code == 0, err
+    one = json.loads(out)
+    code, out, err = eyas_cli("train", "--capture", pipe["cap"], pipe["cap"], "--out", tmp_path / "two", *base)
+    assert code == 0, err
+    two = json.loads(out)
+    assert two["positions"] == 2 * one["positions"]
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)

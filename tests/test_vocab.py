@@ -226,3 +226,16 @@ def test_cli_remap_bad_inputs(eyas_cli, tmp_path, tiny_target):
     code, _, err = eyas_cli("vocab", "remap", "--drafter", tmp_path / "none", "--to", tmp_path / "n.safetensors",
                             "--target", tiny_target, "--out", tmp_path / "o")
     assert code == 2 and "not a directory" in err
+
+
+def test_cli_build_from_several_data_dirs_adds_counts(eyas_cli, tmp_path, prepared):
+    code, out, err = eyas_cli("vocab", "build", "--data", prepared, "--size", 40, "--out", tmp_path / "one", "--json")
+    assert code == 0, err
+    one = json.loads(out)
+    code, out, err = eyas_cli("vocab", "build", "--data", prepared, prepared, "--size", 40, "--out", tmp_path / "two",
+                              "--json")
+    assert code == 0, err
+    two = json.loads(out)
+    assert two["supervised_tokens"] == 2 * one["supervised_tokens"]  # counts add; ranks unchanged
+    a, b = fvocab.load_vocab(tmp_path / "one"), fvocab.load_vocab(tmp_path / "two")
+    assert torch.equal(a.d2t, b.d2t) and torch.equal(a.t2d, b.t2d)

@@ -114,22 +114,25 @@ class TensorSource:
 
 
 class CaptureSplit:
-    """One split of a CaptureReader as an indexable (no data read until indexed)."""
+    """One split of one or more CaptureReaders as an indexable (no data read until indexed)."""
 
-    def __init__(self, reader, split: str):
-        self.reader, self.idx = reader, reader.split_indices(split)
+    def __init__(self, readers, split: str):
+        readers = readers if isinstance(readers, (list, tuple)) else [readers]
+        self.idx = [(r, j) for r in readers for j in r.split_indices(split)]
 
     def __len__(self) -> int:
         return len(self.idx)
 
     def __getitem__(self, i: int) -> dict:
-        return self.reader[self.idx[i]]
+        r, j = self.idx[i]
+        return r[j]
 
     def lengths(self) -> list[int]:
-        return [int(self.reader.samples[j]["length"]) for j in self.idx]
+        return [int(r.samples[j]["length"]) for r, j in self.idx]
 
     def key(self, i: int) -> str:
-        return str(self.reader.samples[self.idx[i]].get("id", self.idx[i]))
+        r, j = self.idx[i]
+        return str(r.samples[j].get("id", j))
 
 
 class OnlineSource:

@@ -44,7 +44,9 @@ def register(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="built-in name or local HF directory")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--capture", type=Path, help="captured features (eyas capture)")
+    src.add_argument("--capture", type=Path, nargs="+",
+                     help="captured features (eyas capture); several directories of the same target and "
+                     "layers are trained on together")
     src.add_argument("--online", action="store_true", help="run the target in-process on --data")
     p.add_argument("--data", type=Path, help="prepared data directory (with --online)")
     p.add_argument("--layers", default="auto", help="aux layers for --online: auto = [2, L//2, L-3] or i,j,k")
@@ -124,18 +126,24 @@ def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], 
         return training.OnlineSource(splits, model, layers, args.max_len), layers, str(args.data)
     from eyas.formats.capture import CaptureReader
 
-    reader = CaptureReader(args.capture)
-    reader.open_all()  # a missing or damaged shard fails here, before --out is created
-    man = args.capture / "manifest.json"
-    if reader.target_fingerprint != fp:
-        raise EyasError(f"{man} was captured from target fingerprint {reader.target_fingerprint} but --target "
-                        f"{tdir} has {fp}; capture features from this target or pass the matching --target")
-    bad = [i for i in reader.layer_ids if not 0 <= i <= L]
-    if bad or reader.hidden_size != tcfg.hidden_size:
-        raise EyasError(f"{man}: layer ids {reader.layer_ids} / hidden size {reader.hidden_size} do not fit "
-                        f"--target {tdir} ({L} layers, hidden {tcfg.hidden_size}); recapture for this target")
-    splits = {s: training.CaptureSplit(reader, s) for s in ("train", "eval")}
-    return training.TensorSource(splits, args.max_len), list(reader.layer_ids), str(args.capture)
+    readers = []
+    for cap in args.capture:
+        reader = CaptureReader(cap)
+        reader.open_all()  # a missing or damaged shard fails here, before --out is created
+        man = cap / "manifest.json"
+        if reader.target_fingerprint != fp:
+            raise EyasError(f"{man} was captured from target fingerprint {reader.target_fingerprint} but --target "
+                            f"{tdir} has {fp}; capture features from this target or pass the matching --target")
+        bad = [i for i in reader.layer_ids if not 0 <= i <= L]
+        if bad or reader.hidden_size != tcfg.hidden_size:
+            raise EyasError(f"{man}: layer ids {reader.layer_ids} / hidden size {reader.hidden_size} do not fit "
+                            f"--target {tdir} ({L} layers, hidden {tcfg.hidden_size}); recapture for this target")
+        if readers and reader.layer_ids != readers[0].layer_ids:
+            raise EyasError(f"{man}: layer ids {reader.layer_ids} differ from {args.capture[0]}'s "
+                            f"{readers[0].layer_ids}; capture every --capture directory with the same --layers")
+        readers.append(reader)
+    splits = {s: training.CaptureSplit(readers, s) for s in ("train", "eval")}
+    return training.TensorSource(splits, args.max_len), list(readers[0].layer_ids), ",".join(map(str, args.capture))
 
 
 def _load_vocab(args, tcfg):

@@ -26,7 +26,8 @@ def register(sub) -> None:
     b = vsub.add_parser("build", help="top-N supervised token ids -> vocab.safetensors (d2t offsets, t2d)",
                         description="Count loss-masked tokens of the prepared train split; keep the N most "
                         "frequent (ties by lower id, padded with the lowest unused ids), sorted ascending.")
-    b.add_argument("--data", type=Path, required=True, help="prepared data directory")
+    b.add_argument("--data", type=Path, nargs="+", required=True,
+                   help="prepared data directory (several: their counts are added)")
     b.add_argument("--size", type=int, default=None, help=f"draft vocabulary size N (default min({DEFAULT_SIZE}, V))")
     b.add_argument("--out", type=Path, required=True, help="output file (vocab.safetensors)")
     b.add_argument("--target", default=None, help="target (default: the one named in the data manifest)")
@@ -79,22 +80,27 @@ def _target_for(data: Path, manifest: dict, spec: str | None) -> Path:
     return path
 
 
-def build(data: Path, size: int | None, out: Path, target: str | None = None, force: bool = False) -> dict:
-    """Build and write the draft vocabulary of the train split of `data`."""
+def build(data: Path | list[Path], size: int | None, out: Path, target: str | None = None,
+          force: bool = False) -> dict:
+    """Build and write the draft vocabulary of the train split of `data` (one or more dirs)."""
     if out.exists() and not force:
         raise EyasError(f"--out {out} exists; pass --force to overwrite it")
-    manifest, records = fcap.read_prepared(data)
-    V = targets.load_config(_target_for(data, manifest, target)).vocab_size
+    dirs = [Path(d) for d in (data if isinstance(data, (list, tuple)) else [data])]
+    prepared = [(d, *fcap.read_prepared(d)) for d in dirs]
+    paths = {_target_for(d, manifest, target) for d, manifest, _ in prepared}
+    if len(paths) > 1:
+        raise EyasError(f"--data {' '.join(map(str, dirs))} were prepared for different targets; pass data of one target")
+    V = targets.load_config(paths.pop()).vocab_size
     n = min(DEFAULT_SIZE, V) if size is None else size
     if not 0 < n <= V:
         raise EyasError(f"--size {n} must lie in 1..{V} (the target vocabulary size)")
-    train = [r for r in records if r.split == "train"]
-    counts = supervised_counts(train, V)
+    counts = sum(supervised_counts([r for r in records if r.split == "train"], V) for _, _, records in prepared)
     d2t, t2d = core.build_from_counts(counts, n)
     cov = core.coverage(core.target_ids(d2t), counts)
-    meta = {"tokenizer_fingerprint": manifest.get("tokenizer_fingerprint", ""),
+    meta = {"tokenizer_fingerprint": prepared[0][1].get("tokenizer_fingerprint", ""),
             "supervised_tokens": int(counts.sum()), "distinct_tokens": int((counts > 0).sum()),
-            "coverage": round(cov, 6), "data_split": "train", "data": str(Path(data).resolve())}
+            "coverage": round(cov, 6), "data_split": "train",
+            "data": ",".join(str(d.resolve()) for d in dirs)}
     fvocab.save_vocab(out, fvocab.VocabMap(d2t, t2d, meta))
     return {"out": str(out), "draft_size": n, "target_size": V, **{k: meta[k] for k in
             ("supervised_tokens", "distinct_tokens", "coverage")}}
