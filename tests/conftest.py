@@ -57,3 +57,28 @@ def eyas_cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture
+def cli(eyas_cli, capsys):
+    """`eyas_cli`, plus argparse's own usage errors (SystemExit 2) as (code, out, err)."""
+
+    def run(*argv):
+        try:
+            return eyas_cli(*argv)
+        except SystemExit as e:
+            out = capsys.readouterr()
+            return e.code, out.out, out.err
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and two threads spin badly on a shared 2-core box."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

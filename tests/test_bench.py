@@ -12,12 +12,7 @@ from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.formats.checkpoint import save_checkpoint
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

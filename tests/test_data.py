@@ -21,13 +21,7 @@ CONV = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models decode far faster on one thread, above all on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _masked_text(tok, ids, mask):
@@ -80,19 +74,6 @@ def test_split_is_deterministic():
 
 # ---------------------------------------------------------------- whole command, tiny target
 
-
-@pytest.fixture
-def cli(eyas_cli, capsys):
-    """`eyas_cli`, plus argparse's own usage errors (SystemExit 2) as (code, out, err)."""
-
-    def run(*argv):
-        try:
-            return eyas_cli(*argv)
-        except SystemExit as e:
-            out = capsys.readouterr()
-            return e.code, out.out, out.err
-
-    return run
 
 
 @pytest.fixture

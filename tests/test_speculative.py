@@ -13,6 +13,9 @@ from eyas.core import speculative as spec
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 # ---------------------------------------------------------------- stub drafters
 
 
@@ -47,14 +50,6 @@ class StubDrafter:
     def step(self, states, tokens, positions, allow):
         return self._logits(positions), torch.zeros(positions.shape[0], 1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and 2 threads spin badly on a shared 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

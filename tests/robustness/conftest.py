@@ -74,15 +74,3 @@ def healthy(tmp_path_factory, tiny_targets) -> dict:
     return env
 
 
-@pytest.fixture
-def cli(eyas_cli, capsys):
-    """`eyas_cli`, plus argparse's usage errors (SystemExit) as (code, out, err)."""
-
-    def run(*argv):
-        try:
-            return eyas_cli(*argv)
-        except SystemExit as e:
-            out = capsys.readouterr()
-            return e.code, out.out, out.err
-
-    return run

@@ -118,15 +118,20 @@ def load_prompt_files_with_stats(paths: list[Path], dedup: bool = True) -> tuple
     for path in paths:
         source = _unique_source(source_name(Path(path)), stats)
         st = stats[source] = FileStats(path=str(path), source=source)
-        for conv in load_file(Path(path), source, st):
-            key = dedup_key(conv)
-            if dedup and key in seen:
-                st.duplicates += 1
-                continue
-            seen.add(key)
-            st.kept += 1
-            convs.append(conv)
+        _admit(convs, seen, st, load_file(Path(path), source, st), dedup)
     return convs, stats
+
+
+def _admit(convs: list[Conversation], seen: set[str], st: FileStats, new, dedup: bool) -> None:
+    """Append `new` conversations to `convs`, dropping (and counting) ones already seen."""
+    for conv in new:
+        key = dedup_key(conv)
+        if dedup and key in seen:
+            st.duplicates += 1
+            continue
+        seen.add(key)
+        st.kept += 1
+        convs.append(conv)
 
 
 def add_conversations(convs: list[Conversation], extra: list[Conversation], stats: dict[str, FileStats],
@@ -135,14 +140,7 @@ def add_conversations(convs: list[Conversation], extra: list[Conversation], stat
     seen = {dedup_key(c) for c in convs}
     st = stats[source] = FileStats(path=source, source=source, records=len(extra))
     st.schemas["builtin"] = len(extra)
-    for conv in extra:
-        key = dedup_key(conv)
-        if dedup and key in seen:
-            st.duplicates += 1
-            continue
-        seen.add(key)
-        st.kept += 1
-        convs.append(conv)
+    _admit(convs, seen, st, extra, dedup)
 
 
 def source_name(path: Path) -> str:
