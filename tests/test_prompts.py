@@ -158,3 +158,12 @@ def test_builtin_prompts_deterministic_and_varied():
     assert cats >= {"code", "math", "explanation", "writing", "qa", "chat"}
     assert any(len(c.user_turns) == 2 for c in a)
     assert all(not c.has_answer for c in a)
+
+
+def test_schema_decides_category_in_a_mixed_file(tmp_path):
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"text": "Write a function to add two numbers.", "test_list": ["assert add(1, 2) == 3"]}\n'
+                 '{"question": "What is 2 + 3?", "answer": "5"}\n'
+                 '{"turns": ["Tell me a story."], "category": "writing"}\n')
+    cats = [c.category for c in load_prompt_files([f])]
+    assert cats == ["code", "math", "writing"]

@@ -52,6 +52,8 @@ CATEGORIES = ("code", "math", "chat", "summarization", "qa", "writing", "rolepla
               "extraction", "stem", "humanities", "explanation")
 # Record-level category names as the sources spell them -> eyas categories.
 CATEGORY_ALIASES = {"coding": "code", "creative_writing": "writing", "summarize": "summarization"}
+# Schemas that say what a record is, whatever its file is called.
+SCHEMA_CATEGORIES = {"gsm8k": "math", "svamp": "math", "mbpp": "code"}
 # File-name keywords -> default category (checked in order).
 FILE_CATEGORIES = (
     (("gsm", "grade-school-math", "svamp", "math"), "math"),
@@ -291,7 +293,8 @@ def _to_conversations(path: Path, source: str, records, st: FileStats) -> list[C
             st.no_prompt += 1
             continue
         out.append(Conversation(id=f"{source}:{i}", source=source,
-                                category=record_category(rec, default_cat), turns=turns))
+                                category=record_category(rec, SCHEMA_CATEGORIES.get(schema, default_cat)),
+                                turns=turns))
     if not st.schemas:
         keys = ", ".join(k for k, _ in unknown_keys.most_common(8)) or "none"
         raise EyasError(f"--input {path}: unknown schema (keys: {keys}); supported: {', '.join(SCHEMAS)} "
