@@ -123,50 +123,17 @@ def data_fingerprint(data_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EyasError(f"{path}:{n}: not valid JSON ({e}); prepare the data again (eyas data prepare)") from e
-        if len(row.get("input_ids", [])) != len(row.get("loss_mask", [None])):
-            raise EyasError(f"{path}:{n}: input_ids and loss_mask lengths differ; prepare the data again")
-        rows.append(row)
-    return rows
-
-
 def read_prepared(data_dir: Path) -> tuple[dict, list[Record]]:
-    """Manifest and samples of both splits (train first, then eval) of a prepared dir.
+    """Manifest and samples of both splits (train first, then eval) of a prepared dir,
+    read through `eyas.formats.data` (the one reader of that format)."""
+    from eyas.formats import data as fdata
 
-    Uses `eyas.formats.data` when present; a minimal reader of the same layout otherwise.
-    """
     data_dir = Path(data_dir)
-    try:
-        from eyas.formats import data as fdata
-    except ImportError:
-        fdata = None
-    if fdata is not None and hasattr(fdata, "read_samples"):
-        manifest = fdata.read_manifest(data_dir)
-        splits = {s: [{"id": x.id, "input_ids": x.input_ids, "loss_mask": x.loss_mask}
-                      for x in fdata.read_samples(data_dir, s)] for s in ("train", "eval")}
-    else:
-        mf = data_dir / "manifest.json"
-        if not mf.is_file():
-            raise EyasError(f"--data {data_dir}: no manifest.json; pass a directory made by `eyas data prepare`")
-        manifest = json.loads(mf.read_text())
-        if manifest.get("format") != "eyas.prepared":
-            raise EyasError(f"{mf}: format is {manifest.get('format')!r}, not 'eyas.prepared'; "
-                            "pass a directory made by `eyas data prepare`")
-        splits = {s: _read_jsonl(data_dir / f"{s}.jsonl") if (data_dir / f"{s}.jsonl").is_file() else []
-                  for s in ("train", "eval")}
+    manifest = fdata.read_manifest(data_dir)
     records = []
     for split in ("train", "eval"):
-        for row in splits[split]:
-            records.append(Record(len(records), split, str(row["id"]), list(row["input_ids"]),
-                                  list(row["loss_mask"])))
+        for x in fdata.read_samples(data_dir, split):
+            records.append(Record(len(records), split, str(x.id), list(x.input_ids), list(x.loss_mask)))
     if not records:
         raise EyasError(f"--data {data_dir}: no samples in train.jsonl or eval.jsonl; prepare some data first")
     return manifest, records
