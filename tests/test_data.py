@@ -123,6 +123,29 @@ def test_limit_and_max_len(tiny_target, qa_file, tmp_path, eyas_cli):
     assert len(read_samples(out, "train")) == 5  # the earlier output is untouched
 
 
+def test_exclude_holds_out_bench_prompts(tiny_target, qa_file, tmp_path, eyas_cli):
+    """--exclude drops conversations whose first user turn is a held-out prompt (case and punctuation
+    ignored), whatever file or schema it came in; --limit counts after it."""
+    held = tmp_path / "bench.jsonl"
+    held.write_text(json.dumps({"turns": ["TOM has 3 apples and buys 5 -- how many?", "and then?"]}) + "\n"
+                    + json.dumps("Tom has 7 apples and buys 9. How many?") + "\n")
+    out = tmp_path / "p"
+    code, stdout, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", out,
+                                 "--exclude", held, "--eval-fraction", "0", "--json")
+    assert code == 0, err
+    summary = json.loads(stdout)
+    assert summary["dropped"]["excluded"] == 2
+    texts = [s.messages[0]["content"] for s in read_samples(out, "train")]
+    assert len(texts) == 28 and not any(t.startswith(("Tom has 3 ", "Tom has 7 ")) for t in texts)
+    code, _, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", tmp_path / "q",
+                            "--exclude", qa_file)
+    assert code == 2 and "nothing left" in err and not (tmp_path / "q").exists()
+    code, _, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", qa_file, "--out", tmp_path / "q",
+                            "--exclude", tmp_path / "missing.jsonl")
+    assert code == 2 and "--exclude" in err and "missing.jsonl" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "q").exists()
+
+
 def _regen(eyas_cli, target, inputs, out, *extra):
     return eyas_cli("data", "prepare", "--target", target, "--input", *inputs, "--out", out, "--regenerate",
                     "--max-new-tokens", "8", "--batch-size", "3", "--eval-fraction", "0.25", *extra)

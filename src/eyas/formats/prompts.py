@@ -159,6 +159,12 @@ def dedup_key(conv: Conversation) -> str:
     return "\x1f".join(re.sub(r"[^0-9a-z]+", "", t.lower()) for t in conv.user_turns)
 
 
+def first_turn_key(conv: Conversation) -> str:
+    """The first user turn, normalised as `dedup_key` (what `eyas bench` prompts with)."""
+    turns = conv.user_turns
+    return re.sub(r"[^0-9a-z]+", "", turns[0].lower()) if turns else ""
+
+
 def file_category(source: str) -> str:
     low = source.lower()
     for words, cat in FILE_CATEGORIES:

@@ -63,7 +63,11 @@ def register(sub) -> None:
                    help="prompt files (.json/.jsonl/.txt, optionally .gz) or `builtin`")
     q.add_argument("--out", required=True, type=Path, help="output directory")
     q.add_argument("--max-len", type=int, default=2048, help="truncate samples to N tokens (default 2048)")
-    q.add_argument("--limit", type=int, default=None, help="keep the first N conversations after de-dup")
+    q.add_argument("--exclude", nargs="+", metavar="FILE", default=[],
+                   help="held-out prompt files (e.g. your bench set): drop every conversation whose first "
+                   "user turn matches one of theirs (normalised as for de-dup)")
+    q.add_argument("--limit", type=int, default=None, help="keep the first N conversations after de-dup "
+                   "and --exclude")
     q.add_argument("--eval-fraction", type=float, default=0.05, help="share of ids hashed into eval (default 0.05)")
     q.add_argument("--regenerate", action="store_true", help="let the target write all assistant turns")
     q.add_argument("--max-new-tokens", type=int, default=None, help="per answer, with --regenerate (default 256)")
@@ -222,9 +226,20 @@ def run_prepare(args) -> int:
     tok = _load_tokenizer(path)
     convs, stats = _load_inputs(args.input)
     n_loaded = len(convs)
+    drops: Counter = Counter()
+    if args.exclude:
+        try:
+            held = {fprompts.first_turn_key(c) for c in fprompts.load_prompt_files([Path(x) for x in args.exclude],
+                                                                                  dedup=False)}
+        except EyasError as e:
+            raise EyasError(str(e).replace("--input", "--exclude", 1)) from e
+        kept = [c for c in convs if fprompts.first_turn_key(c) not in held]
+        drops["excluded"] = len(convs) - len(kept)
+        convs = kept
+        if not convs:
+            raise EyasError(f"--exclude {' '.join(args.exclude)}: it holds every prompt of --input; nothing left")
     if args.limit is not None:
         convs = convs[: args.limit]
-    drops: Counter = Counter()
     gen_info = None
     if args.regenerate:
         convs, gen_info = _regenerate(args, path, convs, drops)

@@ -1,0 +1,237 @@
+"""eyas vs speculators: drafter QUALITY at the same data and training budget, measured by decoding.
+
+Both drafters train on the same captured features (`eyas capture` directories), the same
+draft vocabulary, TTT length, max length, batches (eyas's token-budget plan: same samples in
+the same order per step), step count, AdamW (betas 0.9/0.95, no decay), warmup + cosine
+schedule and gradient clipping. What differs is each framework's own model and loss:
+
+- eyas: `eyas train` (the CLI, in a subprocess), its final checkpoint;
+- speculators 0.9.0: `Eagle3DraftModel.from_training_args` with the defaults of speculators'
+  own training CLI (norm_before_residual=True, norm_before_fc=True, embed frozen, draft head
+  and embedding from the verifier), sdpa attention, `resolve_loss_config("kl_div", "eager")`,
+  in a plain AdamW loop (its Trainer assumes CUDA). eyas's capture stores `last` AFTER the
+  target's final norm, so the model's frozen `verifier_norm` is replaced by identity: the
+  teacher logits are then exactly lm_head(final-norm state), as in eyas. A step's samples
+  are packed into sequences of at most --pack-tokens (document ids keep them apart) and
+  their losses summed weighted by supervised tokens (sdpa's dense mask makes one 4k-token
+  pack with TTT 5 cost gigabytes).
+
+Then both are scored the same two ways: `eyas train --init-from D --max-steps 0` (teacher-
+forced validation metrics on the eval split, eyas's metric code) and `eyas bench` on the
+same prompts (real decoding with the target: acceptance length, per-position acceptance,
+tokens/s). The speculators drafter is imported into an eyas checkpoint by eyas's own
+importer (`formats.engines.import_checkpoint`) so both run in the same runtime.
+
+    python bench/bench_quality_vs_speculators.py --capture CAP [CAP ...] --vocab V.safetensors \
+        --prompts P.jsonl --out OUT [--ttt 5] [--max-steps 300] [--batch-tokens 4096]
+
+Each phase writes its result under OUT and is skipped when rerun (delete it to redo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def eyas_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "eyas.cli", *args]
+
+
+def run(cmd: list[str], log: Path) -> None:
+    print("$", " ".join(cmd), flush=True)
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        sys.exit(f"failed (rc {rc}): {' '.join(cmd)}; see {log}")
+
+
+def train_args(a, max_steps: int | None) -> list[str]:
+    return ["--ttt", str(a.ttt), "--epochs", str(a.epochs), "--lr", str(a.lr), "--batch-tokens", str(a.batch_tokens),
+            "--max-len", str(a.max_len), "--seed", "0", "--dtype", a.dtype, "--eval-every", str(10 ** 9)] + \
+           (["--max-steps", str(max_steps)] if max_steps is not None else [])
+
+
+def train_eyas(a) -> dict:
+    """`eyas train` in this (child) process, timed, with its own peak RSS."""
+    from eyas import cli
+
+    t0 = time.perf_counter()
+    rc = cli.main(["train", "--target", a.target, "--capture", *map(str, a.capture), "--vocab", str(a.vocab),
+                   "--out", str(a.out / "eyas"), "--force", *train_args(a, a.max_steps)])
+    if rc:
+        sys.exit(rc)
+    return {"seconds": time.perf_counter() - t0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def train_speculators(a) -> dict:
+    import copy
+
+    from speculators.losses.utils import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from transformers import AutoConfig
+
+    from eyas import targets, training
+    from eyas.formats.capture import CaptureReader
+    from eyas.formats.checkpoint import save_checkpoint
+    from eyas.formats.engines import import_checkpoint
+    from eyas.formats.vocab import load_vocab
+    from eyas.core.drafter import Eagle3Drafter
+
+    tdir = targets.resolve(a.target)
+    readers = [CaptureReader(c) for c in a.capture]
+    src = training.TensorSource({"train": training.CaptureSplit(readers, "train")}, a.max_len)
+    lengths = src.lengths("train")
+    plan = [b for e in range(a.epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
+    plan = plan[: a.max_steps] if a.max_steps is not None else plan
+    vm = load_vocab(a.vocab)
+    layer_cfg = copy.deepcopy(AutoConfig.from_pretrained(tdir))
+    layer_cfg.num_hidden_layers = 1
+    torch.manual_seed(0)
+    model = Eagle3DraftModel.from_training_args(
+        layer_cfg, t2d=vm.t2d, d2t=vm.d2t, verifier_name_or_path=str(tdir), draft_vocab_size=vm.draft_size,
+        norm_before_residual=True, norm_before_fc=True, ttt_steps=a.ttt,
+        target_layer_ids=list(readers[0].layer_ids), draft_attn_impl="sdpa")
+    model.verifier_norm = torch.nn.Identity()  # eyas's `last` is already the final-norm output
+    loss_cfg = resolve_loss_config("kl_div", "eager")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, training.lr_lambda(len(plan), max(1, int(0.03 * len(plan)))))
+    ac = torch.bfloat16 if a.dtype == "bf16" else None
+    tokens, t0 = 0, time.perf_counter()
+    for step, idxs in enumerate(plan):
+        items = [src.splits["train"][i] for i in idxs]
+        packs, cur = [], []
+        for it in items:
+            if cur and sum(min(x["input_ids"].shape[0], a.max_len) for x in cur) + it["input_ids"].shape[0] > a.pack_tokens:
+                packs.append(cur)
+                cur = []
+            cur.append(it)
+        packs.append(cur)
+        sup = sum(int(it["loss_mask"][1:a.max_len].sum()) for it in items)
+        opt.zero_grad(set_to_none=True)
+        for pack in packs:
+            # speculators.models.eagle3.data.shift_batch: (x[t+1], g[t], y[t+1], l[t+1]), positions from 1
+            cut = [min(it["input_ids"].shape[0], a.max_len) for it in pack]
+            ids = torch.cat([it["input_ids"][1:n].long() for it, n in zip(pack, cut)])[None]
+            hs = torch.cat([it["aux"][: n - 1].float() for it, n in zip(pack, cut)])[None]
+            last = torch.cat([it["last"][1:n].float() for it, n in zip(pack, cut)])[None]
+            lm = torch.cat([it["loss_mask"][1:n].long() for it, n in zip(pack, cut)])[None]
+            doc = torch.cat([torch.full((n - 1,), j) for j, n in enumerate(cut)])[None]
+            pos = torch.cat([torch.arange(1, n) for n in cut])[None]
+            with torch.autocast("cpu", dtype=ac or torch.float32, enabled=ac is not None):
+                _, loss, _ = model(hidden_states=hs, input_ids=ids, document_ids=doc, loss_mask=lm,
+                                   verifier_last_hidden_states=last, position_ids=pos, ttt_steps=a.ttt,
+                                   ttt_step_loss_decay=0.8, loss_config=loss_cfg)
+            (loss * (int(lm.sum()) / max(1, sup))).backward()
+            tokens += ids.numel()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if step % 10 == 0 or step == len(plan) - 1:
+            dt = time.perf_counter() - t0
+            print(f"speculators step {step + 1}/{len(plan)} loss {loss.item():.4f} {tokens / dt:.0f} tok/s", flush=True)
+    dt = time.perf_counter() - t0
+    own = own_eval(model, readers, a, loss_cfg, ac)
+    model.save_pretrained(a.out / "speculators")
+    cfg, state, _ = import_checkpoint(a.out / "speculators", target=tdir)
+    d = Eagle3Drafter(cfg)
+    d.load_state_dict({k: v for k, v in state.items() if k in d.state_dict()}, strict=False)
+    save_checkpoint(a.out / "speculators_eyas", d, {"kind": "imported", "source": str(a.out / "speculators")})
+    return {"seconds": dt, "steps": len(plan), "tokens": tokens, "tokens_per_s": tokens / dt, "own_val": own,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def own_eval(model, readers, a, loss_cfg, ac) -> dict:
+    """speculators' own accuracy counters on the eval split: a cross-check of eyas's import."""
+    from eyas import training
+
+    ev = training.CaptureSplit(readers, "eval")
+    sums: dict[str, float] = {}
+    with torch.no_grad(), torch.autocast("cpu", dtype=ac or torch.float32, enabled=ac is not None):
+        for i in range(len(ev)):
+            it = ev[i]
+            n = min(it["input_ids"].shape[0], a.max_len)
+            ids = it["input_ids"][1:n].long()[None]
+            _, _, m = model(hidden_states=it["aux"][: n - 1].float()[None], input_ids=ids,
+                            document_ids=torch.zeros_like(ids), loss_mask=it["loss_mask"][1:n].long()[None],
+                            verifier_last_hidden_states=it["last"][1:n].float()[None],
+                            position_ids=torch.arange(1, n)[None], ttt_steps=a.ttt, ttt_step_loss_decay=0.8,
+                            loss_config=loss_cfg)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    return {f"full_acc_{i}": sums[f"full_acc_{i}_sum"] / max(1.0, sums[f"full_acc_{i}_total"]) for i in range(a.ttt)}
+
+
+def last_eval(run_dir: Path) -> dict:
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [r for r in rows if r.get("kind") == "eval"][-1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--capture", type=Path, nargs="+", required=True)
+    p.add_argument("--vocab", type=Path, required=True)
+    p.add_argument("--prompts", type=Path, nargs="+", required=True, help="bench prompts (never trained on)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ttt", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--pack-tokens", type=int, default=1024, help="speculators: tokens per packed forward")
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--tree", default="4,5,16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.which:
+        torch.set_num_threads(a.threads)
+        res = train_eyas(a) if a.which == "eyas" else train_speculators(a)
+        (a.out / f"train_{a.which}.json").write_text(json.dumps(res, indent=1) + "\n")
+        return
+    argv = [x for x in sys.argv[1:]]
+    for which in ("eyas", "speculators"):
+        if not (a.out / f"train_{which}.json").exists():
+            run([sys.executable, __file__, "--which", which, *argv], a.out / f"train_{which}.log")
+    drafters = {"eyas": a.out / "eyas" / "final", "speculators": a.out / "speculators_eyas"}
+    res = {"settings": {k: str(v) for k, v in vars(a).items() if k != "which"}}
+    for which, ckpt in drafters.items():
+        r = {"train": json.loads((a.out / f"train_{which}.json").read_text())}
+        ev = a.out / f"eval_{which}"
+        if not (ev / "metrics.jsonl").exists():
+            run(eyas_cmd("train", "--target", a.target, "--capture", *map(str, a.capture), "--vocab", str(a.vocab),
+                         "--out", str(ev), "--force", "--init-from", str(ckpt), *train_args(a, 0)), a.out / f"eval_{which}.log")
+        r["val"] = {k: v for k, v in last_eval(ev).items() if k.startswith(("acc_", "accept_len", "loss"))}
+        bdir = a.out / f"bench_{which}"
+        if not (bdir / "report.json").exists():
+            run(eyas_cmd("bench", "--target", a.target, "--drafter", str(ckpt), "--prompts", *map(str, a.prompts),
+                         "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k), "--tree", a.tree,
+                         "--methods", "chain,tree", "--baselines", "plain", "--dtype", a.dtype,
+                         "--threads", str(a.threads), "--out", str(bdir), "--force"), a.out / f"bench_{which}.log")
+        s = json.loads((bdir / "report.json").read_text())["summary"]["methods"]
+        r["bench"] = {m: {k: s[m][k] for k in ("acceptance_length", "acceptance_by_position", "tokens_per_s", "speedup")}
+                      for m in ("chain", "tree")}
+        res[which] = r
+    e, s = res["eyas"], res["speculators"]
+    res["ratios"] = {f"{m}_acceptance_length": e["bench"][m]["acceptance_length"] / s["bench"][m]["acceptance_length"]
+                     for m in ("chain", "tree")}
+    res["ratios"]["val_accept_len"] = e["val"]["accept_len"] / s["val"]["accept_len"]
+    (a.out / "compare.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
