@@ -4,6 +4,7 @@ equivalence, vocabulary-mismatch refusal and --remap, divergence, bad input (exi
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -142,6 +143,37 @@ def test_ddp_two_processes_equal_one(pipe, tmp_path):
     assert e1["loss"] == pytest.approx(e2["loss"], rel=1e-4)
 
 
+def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
+    """Under FSDP (2 processes, gloo) a run resumed from its step-2 checkpoint ends where the
+    uninterrupted run ends: weights AND the sharded AdamW moments come back (restarting the
+    optimizer would change every later update)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1"}
+    args = ["--target", str(pipe["target"]), "--capture", str(pipe["cap"]), "--vocab", str(pipe["vocab"]),
+            "--ttt", "2", "--epochs", "3", "--max-steps", "5", "--eval-every", "2", "--batch-tokens", "400", "--max-len", "96",
+            "--dtype", "fp32", "--lr", "1e-3", "--keep-last", "3", "--fsdp"]
+
+    def torchrun(out, *extra):  # a fresh port per launch: a just-closed one may still be in TIME_WAIT
+        port = 30100 + os.getpid() % 400 * 2 + bool(extra)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(port), "-m", "eyas", "train", "--out", str(out), *args, *extra]
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+        assert p.returncode == 0, p.stdout[-3000:]
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    torchrun(a)
+    steps = sorted(training.checkpoint_steps(a))
+    assert steps[0] == 2 and steps[-1] == 5
+    state = torch.load(a / "checkpoints" / "step-2" / training.STATE_FILE, weights_only=True)
+    assert state["optimizer_layout"] == "fqn" and state["optimizer"]["state"]  # the moments are saved
+    shutil.copytree(a, b)  # b = a crashed right after its step-2 checkpoint
+    for gone in [f"checkpoints/step-{s}" for s in steps[1:]] + ["final", "best"]:
+        shutil.rmtree(b / gone)
+    torchrun(b, "--resume")
+    wa, wb = _weights(a / "final"), _weights(b / "final")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+
+
 def test_vocab_mismatch_refused_and_remap_keeps_accuracy(pipe, tmp_path, eyas_cli):
     from eyas.core import vocab as cv
     from eyas.formats.vocab import load_vocab, save_vocab, VocabMap
@@ -187,7 +219,7 @@ def test_nan_stops_with_step_named_and_keeps_last_good_checkpoint(pipe, tmp_path
     monkeypatch.setattr(training.TensorSource, "batch", poisoned)
     run = tmp_path / "run"
     code, out, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
-                              "--out", run, "--ttt", "2", "--max-steps", "5", "--eval-every", "2",
+                              "--out", run, "--ttt", "2", "--epochs", "3", "--max-steps", "5", "--eval-every", "2",
                               "--batch-tokens", "300", "--max-len", "96", "--dtype", "fp32")
     assert code == 2
     assert "non-finite loss at step 3" in err and "step-2" in err

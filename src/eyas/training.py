@@ -442,16 +442,13 @@ class Trainer:
 
     def save(self, metrics: dict) -> None:
         d = self._export_drafter()
-        if self.cfg.fsdp and self.dist.world > 1:
-            opt_state = None  # sharded optimizer state: resume under FSDP restarts the optimizer
-        else:
-            opt_state = self.opt.state_dict()
+        opt_state = self._optimizer_state()
         if not self.dist.main:
             return
         meta = {**self.meta, "step": self.step, "metrics": metrics}
         ck = self.out / "checkpoints" / f"step-{self.step}"
         save_checkpoint(ck, d, meta)
-        state = {"optimizer": opt_state, "scheduler": self.sched.state_dict(), "step": self.step,
+        state = {"optimizer": opt_state, "optimizer_layout": "fqn" if self._sharded else "torch", "scheduler": self.sched.state_dict(), "step": self.step,
                  "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "best": self.best,
                  "rng": rng_state(), "config": asdict(self.cfg)}
         tmp = ck / f".{STATE_FILE}.tmp"
@@ -462,6 +459,34 @@ class Trainer:
             self.best = al
             save_checkpoint(self.out / "best", d, meta)
         self._prune()
+
+    @property
+    def _sharded(self) -> bool:
+        return self.cfg.fsdp and self.dist.world > 1
+
+    def _optimizer_state(self) -> dict:
+        """The optimizer state to save: as torch keeps it, or under FSDP gathered from the shards into
+        one full state keyed by parameter name (a collective: every rank calls it)."""
+        if not self._sharded:
+            return self.opt.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.opt,
+                                        options=StateDictOptions(full_state_dict=True))
+
+    def _load_state(self, weights: dict, opt_state: dict | None) -> None:
+        if not self._sharded:
+            self.drafter.load_state_dict(weights, strict=False)
+            if opt_state is not None:
+                self.opt.load_state_dict(opt_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(self.module, {f"drafter.{k}": v for k, v in weights.items()}, options=opts)
+        if opt_state is not None:
+            set_optimizer_state_dict(self.module, self.opt, optim_state_dict=opt_state, options=opts)
 
     def _prune(self) -> None:
         steps = sorted(checkpoint_steps(self.out))
@@ -501,10 +526,11 @@ class Trainer:
             raise EyasError(f"--resume {self.out}: the run was started with different settings "
                             f"{ {k: v[0] for k, v in changed.items()} } (now { {k: v[1] for k, v in changed.items()} }); "
                             "resume with the original flags or start a new --out")
-        weights = read_tensors(ck / "model.safetensors")
-        self.drafter.load_state_dict(weights, strict=False)
-        if state["optimizer"] is not None:
-            self.opt.load_state_dict(state["optimizer"])
+        layout = state.get("optimizer_layout", "torch")
+        if state["optimizer"] is not None and layout != ("fqn" if self._sharded else "torch"):
+            raise EyasError(f"--resume {self.out}: {ck.name} was saved {'with' if layout == 'fqn' else 'without'} "
+                            "FSDP sharding; resume with the same --fsdp setting and process count")
+        self._load_state(read_tensors(ck / "model.safetensors"), state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.batch_in_epoch, self.best = state["batch_in_epoch"], state["best"]
