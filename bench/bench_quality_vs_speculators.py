@@ -6,9 +6,10 @@ the same order per step), step count, AdamW (betas 0.9/0.95, no decay), warmup +
 schedule and gradient clipping. What differs is each framework's own model and loss:
 
 - eyas: `eyas train` (the CLI, in a subprocess), its final checkpoint;
-- speculators 0.9.0: `Eagle3DraftModel.from_training_args` with the defaults of speculators'
-  own training CLI (norm_before_residual=True, norm_before_fc=True, embed frozen, draft head
-  and embedding from the verifier), sdpa attention, `resolve_loss_config("kl_div", "eager")`,
+- speculators 0.9.0: `Eagle3DraftModel.from_training_args` with the eagle3 defaults of
+  speculators' own training CLI (norm_before_residual, norm_before_fc and norm_output True,
+  embedding frozen, draft head and embedding from the verifier, TTT step loss decay 1.0),
+  sdpa attention, `resolve_loss_config("kl_div", "eager")`,
   in a plain AdamW loop (its Trainer assumes CUDA). eyas's capture stores `last` AFTER the
   target's final norm, so the model's frozen `verifier_norm` is replaced by identity: the
   teacher logits are then exactly lm_head(final-norm state), as in eyas. A step's samples
@@ -39,6 +40,8 @@ import time
 from pathlib import Path
 
 import torch
+
+SPEC_DECAY = 1.0  # speculators' TrainConfig default ttt_step_loss_decay (eyas weights step i by 0.8**i)
 
 
 def eyas_cmd(*args: str) -> list[str]:
@@ -97,7 +100,7 @@ def train_speculators(a) -> dict:
     torch.manual_seed(0)
     model = Eagle3DraftModel.from_training_args(
         layer_cfg, t2d=vm.t2d, d2t=vm.d2t, verifier_name_or_path=str(tdir), draft_vocab_size=vm.draft_size,
-        norm_before_residual=True, norm_before_fc=True, ttt_steps=a.ttt,
+        norm_before_residual=True, norm_before_fc=True, norm_output=True, ttt_steps=a.ttt,
         target_layer_ids=list(readers[0].layer_ids), draft_attn_impl="sdpa")
     model.verifier_norm = torch.nn.Identity()  # eyas's `last` is already the final-norm output
     loss_cfg = resolve_loss_config("kl_div", "eager")
@@ -129,7 +132,7 @@ def train_speculators(a) -> dict:
             with torch.autocast("cpu", dtype=ac or torch.float32, enabled=ac is not None):
                 _, loss, _ = model(hidden_states=hs, input_ids=ids, document_ids=doc, loss_mask=lm,
                                    verifier_last_hidden_states=last, position_ids=pos, ttt_steps=a.ttt,
-                                   ttt_step_loss_decay=0.8, loss_config=loss_cfg)
+                                   ttt_step_loss_decay=SPEC_DECAY, loss_config=loss_cfg)
             (loss * (int(lm.sum()) / max(1, sup))).backward()
             tokens += ids.numel()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -163,11 +166,29 @@ def own_eval(model, readers, a, loss_cfg, ac) -> dict:
             _, _, m = model(hidden_states=it["aux"][: n - 1].float()[None], input_ids=ids,
                             document_ids=torch.zeros_like(ids), loss_mask=it["loss_mask"][1:n].long()[None],
                             verifier_last_hidden_states=it["last"][1:n].float()[None],
-                            position_ids=torch.arange(1, n)[None], ttt_steps=a.ttt, ttt_step_loss_decay=0.8,
+                            position_ids=torch.arange(1, n)[None], ttt_steps=a.ttt, ttt_step_loss_decay=SPEC_DECAY,
                             loss_config=loss_cfg)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
     return {f"full_acc_{i}": sums[f"full_acc_{i}_sum"] / max(1.0, sums[f"full_acc_{i}_total"]) for i in range(a.ttt)}
+
+
+def eyas_real_throughput(a) -> dict:
+    """eyas's progress bar counts padded batch tokens; recompute with real tokens (as counted
+    for speculators: every sample's length minus the one shifted off) over the same loop time."""
+    from eyas import training
+    from eyas.formats.capture import CaptureReader
+
+    lengths = training.TensorSource({"train": training.CaptureSplit([CaptureReader(c) for c in a.capture], "train")},
+                                    a.max_len).lengths("train")
+    plan = [b for e in range(a.epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
+    plan = plan[: a.max_steps] if a.max_steps is not None else plan
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in plan)
+    real = sum(lengths[i] - 1 for b in plan for i in b)
+    train_rows = [json.loads(l) for l in (a.out / "eyas" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    tps = [r["tokens_per_s"] for r in train_rows if r.get("kind") == "train" and "tokens_per_s" in r][-1]
+    seconds = padded / tps
+    return {"loop_seconds": seconds, "real_tokens": real, "padded_tokens": padded, "tokens_per_s": real / seconds}
 
 
 def last_eval(run_dir: Path) -> dict:
@@ -225,6 +246,7 @@ def main() -> None:
         r["bench"] = {m: {k: s[m][k] for k in ("acceptance_length", "acceptance_by_position", "tokens_per_s", "speedup")}
                       for m in ("chain", "tree")}
         res[which] = r
+    res["eyas"]["train"].update(eyas_real_throughput(a))
     e, s = res["eyas"], res["speculators"]
     res["ratios"] = {f"{m}_acceptance_length": e["bench"][m]["acceptance_length"] / s["bench"][m]["acceptance_length"]
                      for m in ("chain", "tree")}

@@ -227,6 +227,30 @@ def test_nan_stops_with_step_named_and_keeps_last_good_checkpoint(pipe, tmp_path
     assert not (run / "final").exists()
 
 
+def test_drafter_flags_train_and_export_checks(pipe, tmp_path, eyas_cli):
+    """--drafter-flags builds a speculators-style drafter (its flags land in the checkpoint and
+    change the function); `eyas export` refuses an engine that would ignore them."""
+    base = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--ttt", "2",
+            "--max-steps", "2", "--batch-tokens", "300", "--max-len", "96", "--dtype", "fp32")
+    run = tmp_path / "run"
+    code, out, err = eyas_cli("train", "--out", run, "--drafter-flags", "norm_before_residual,norm_before_fc,norm_output",
+                              "--json", *base)
+    assert code == 0, err
+    cfg = json.loads((run / "final" / "config.json").read_text())
+    assert cfg["norm_before_residual"] and cfg["norm_before_fc"] and cfg["norm_output"] and not cfg["fc_norm"]
+    assert "input_norm.weight" in _weights(run / "final")
+    code, out, err = eyas_cli("export", run, "--to", "sglang", "--out", tmp_path / "sg", "--target", pipe["target"])
+    assert code == 1 and "norm_before_fc" in (out + err) and not (tmp_path / "sg").exists()
+    code, out, err = eyas_cli("export", run, "--to", "speculators", "--out", tmp_path / "sp", "--target", pipe["target"])
+    assert code == 0, err
+    for bad, needle in (("norm_after_fc", "unknown flag"), ("norm_before_fc,fc_norm", "exclude each other")):
+        code, _, err = eyas_cli("train", "--out", tmp_path / "x", "--drafter-flags", bad, *base)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    code, _, err = eyas_cli("train", "--out", tmp_path / "x", "--drafter-flags", "norm_output",
+                            "--init-from", run / "final", *base)
+    assert code == 2 and "--init-from keeps" in err and not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("bad,expect", [
     (("--ttt", "0"), "--ttt 0"),
     (("--lr", "-1"), "--lr -1"),

@@ -167,16 +167,23 @@ class OnlineSource:
 # ---------------------------------------------------------------- batching
 
 
+LENGTH_WINDOW = 256  # samples sorted by length together when planning training batches
+
+
 def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, world: int = 1,
                  shuffle: bool = True) -> list[list[int]]:
     """Group sample indices into padded batches of at most `batch_tokens` (B * max length),
     in an order fixed by (seed, epoch); every batch holds at least `world` samples so each
-    rank gets one (a leftover smaller group joins the previous batch)."""
+    rank gets one (a leftover smaller group joins the previous batch). With `shuffle`, samples
+    come in random order, sorted by length within windows of LENGTH_WINDOW (batches of similar
+    lengths waste little on padding), and the batches are then shuffled."""
     n = len(lengths)
+    order = list(range(n))
     if shuffle:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
-    else:
-        order = list(range(n))
+        g = torch.Generator().manual_seed(seed * 100003 + epoch)
+        order = torch.randperm(n, generator=g).tolist()
+        order = [i for w in range(0, n, LENGTH_WINDOW) for i in sorted(order[w:w + LENGTH_WINDOW],
+                                                                       key=lambda i: lengths[i])]
     batches, cur, cur_max = [], [], 0
     for i in order:
         m = max(cur_max, lengths[i])
@@ -190,6 +197,8 @@ def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, w
             batches[-1].extend(cur)
         elif len(cur) >= world:
             batches.append(cur)
+    if shuffle:
+        batches = [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
     return batches
 
 

@@ -59,6 +59,11 @@ def register(sub) -> None:
     p.add_argument("--batch-tokens", type=int, default=8192,
                    help="padded tokens per optimizer step (batch x longest sample; default 8192)")
     p.add_argument("--max-len", type=int, default=2048, help="truncate samples to this many tokens (default 2048)")
+    p.add_argument("--drafter-flags", default="",
+                   help="architecture flags of a new drafter, comma list of norm_before_residual, norm_before_fc, "
+                   "fc_norm, norm_output (speculators' eagle3 training default: norm_before_residual,"
+                   "norm_before_fc,norm_output). Default none = the EAGLE-3 layout every engine serves; "
+                   "`eyas export` refuses a flag the chosen engine would ignore")
     p.add_argument("--init-from", type=Path, help="start from this drafter checkpoint (any layout)")
     p.add_argument("--remap", action="store_true",
                    help="with --init-from: carry lm_head rows by target id when the vocabularies differ")
@@ -97,6 +102,10 @@ def _check_args(args) -> None:
         raise EyasError(f"--warmup-ratio {args.warmup_ratio} must lie in [0, 1)")
     if args.online and args.data is None:
         raise EyasError("--online needs --data DIR (prepared data, eyas data prepare)")
+    args.flags = parse_drafter_flags(args.drafter_flags)
+    if args.flags and args.init_from:
+        raise EyasError("--drafter-flags applies to a new drafter; --init-from keeps the checkpoint's own flags "
+                        "(drop one of them)")
     if args.remap and not args.init_from:
         raise EyasError("--remap only applies with --init-from CKPT")
     if args.vocab == "from-checkpoint" and not args.init_from:
@@ -164,12 +173,24 @@ def _set_vocab(d: Eagle3Drafter, ids: torch.Tensor) -> None:
     d.t2d.copy_(core_vocab.t2d_from_ids(ids, d.cfg.vocab_size))
 
 
+def parse_drafter_flags(text: str) -> dict[str, bool]:
+    from eyas.formats.engines import FLAGS
+
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in FLAGS]
+    if unknown:
+        raise EyasError(f"--drafter-flags {text}: unknown flag {unknown[0]!r}; choose from {', '.join(FLAGS)}")
+    if "norm_before_fc" in names and "fc_norm" in names:
+        raise EyasError(f"--drafter-flags {text}: norm_before_fc and fc_norm exclude each other; keep one")
+    return {n: True for n in names}
+
+
 def fresh_drafter(tcfg, ids: torch.Tensor, aux: list[int], embed: torch.Tensor, head: torch.Tensor,
-                  seed: int) -> Eagle3Drafter:
+                  seed: int, flags: dict[str, bool] | None = None) -> Eagle3Drafter:
     """A new drafter sized like the target: embedding = the target's (frozen), lm_head = the
     target's lm_head rows of the draft ids (as speculators does; training starts far above chance)."""
     torch.manual_seed(seed)
-    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, ids.numel(), aux))
+    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, ids.numel(), aux, **(flags or {})))
     d.load_target_embedding(embed)
     with torch.no_grad():
         d.lm_head.weight.copy_(head[ids])
@@ -279,7 +300,8 @@ def run_train(args) -> int:
     if args.init_from:
         drafter, init_info = init_drafter(args, tcfg, vm, aux, embed, head)
     else:
-        drafter, init_info = fresh_drafter(tcfg, vm.target_ids, aux, embed, head, args.seed), {"init": "target head"}
+        drafter = fresh_drafter(tcfg, vm.target_ids, aux, embed, head, args.seed, args.flags)
+        init_info = {"init": "target head", **({"flags": sorted(args.flags)} if args.flags else {})}
     if not source.lengths("eval"):
         log.warning("no eval samples in %s: evaluating on the training split", where)
         source.splits["eval"] = source.splits["train"]
@@ -313,4 +335,19 @@ def run_train(args) -> int:
     if dist_.world > 1:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        _leave_worker()
     return 0
+
+
+def _leave_worker() -> None:
+    """End a torchrun worker whose work is saved and whose process group is closed. On CPU,
+    gloo + FSDP2 sometimes abort in C++ destructors at interpreter exit ("terminate called
+    without an active exception", exit -6) after everything was written, which torchrun then
+    reports as a failed run; leaving with os._exit(0) skips those destructors."""
+    import os
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(0)
