@@ -239,8 +239,9 @@ def test_drafter_flags_train_and_export_checks(pipe, tmp_path, eyas_cli):
     cfg = json.loads((run / "final" / "config.json").read_text())
     assert cfg["norm_before_residual"] and cfg["norm_before_fc"] and cfg["norm_output"] and not cfg["fc_norm"]
     assert "input_norm.weight" in _weights(run / "final")
-    code, out, err = eyas_cli("export", run, "--to", "sglang", "--out", tmp_path / "sg", "--target", pipe["target"])
-    assert code == 1 and "norm_before_fc" in (out + err) and not (tmp_path / "sg").exists()
+    for engine in ("sglang", "vllm"):
+        code, out, err = eyas_cli("export", run, "--to", engine, "--out", tmp_path / engine, "--target", pipe["target"])
+        assert code == 1 and "norm_before_fc" in (out + err) and not (tmp_path / engine).exists(), engine
     code, out, err = eyas_cli("export", run, "--to", "speculators", "--out", tmp_path / "sp", "--target", pipe["target"])
     assert code == 0, err
     for bad, needle in (("norm_after_fc", "unknown flag"), ("norm_before_fc,fc_norm", "exclude each other")):
