@@ -278,6 +278,16 @@ def test_greedy_identity_with_real_drafters(tiny, trained, method):
     assert sum(res.accepted) / res.steps > 0.5  # the trained drafter is accepted
 
 
+def test_wide_tree_expands_more_nodes_than_it_keeps(tiny, trained):
+    """topk * depth (8 * 6 = 48 drafted nodes) far above the 12 the target verifies: the
+    drafter's cache must hold every expanded node (regression: it was sized by the budget)."""
+    model, _ = tiny
+    tr, dr = runtime.runners(model, _loaded(trained), runtime.Timer("cpu"))
+    prompt = _prompt(100)
+    res = runtime.generate(tr, dr, prompt, _settings("tree", tree=(8, 6, 12)))
+    assert res.tokens == _hf_greedy(model, prompt, 40, eos=2)
+
+
 def _reading(d: Eagle3Drafter, use_aux: bool, engine: str = "sglang"):
     from types import SimpleNamespace
 

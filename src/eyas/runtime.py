@@ -317,7 +317,8 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
     budget = s.k + 1 if s.method == "chain" else s.tree[2]
     cap = n + s.max_new_tokens + budget + 2
     tr.reset(cap)
-    dr.reset(cap)
+    # the drafter caches every expanded frontier node, not just the kept ones: topk per level
+    dr.reset(cap if s.method == "chain" else n + s.max_new_tokens + 1 + s.tree[0] * s.tree[1] + 2)
     logits, feats = tr.forward(prompt, torch.arange(n))
     x = _pick_target(logits[-1], s, gen)
     out, accepted = [x], []
