@@ -74,6 +74,18 @@ def train_eyas(a) -> dict:
     return {"seconds": time.perf_counter() - t0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def train_plan(a):
+    """The captures' train split and the batches `eyas train` takes from it (seed 0), all epochs."""
+    from eyas import training
+    from eyas.formats.capture import CaptureReader
+
+    readers = [CaptureReader(c) for c in a.capture]
+    src = training.TensorSource({"train": training.CaptureSplit(readers, "train")}, a.max_len)
+    lengths = src.lengths("train")
+    plan = [b for e in range(a.epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
+    return readers, src, lengths, plan[: a.max_steps] if a.max_steps is not None else plan
+
+
 def train_speculators(a) -> dict:
     import copy
 
@@ -82,18 +94,13 @@ def train_speculators(a) -> dict:
     from transformers import AutoConfig
 
     from eyas import targets, training
-    from eyas.formats.capture import CaptureReader
     from eyas.formats.checkpoint import save_checkpoint
     from eyas.formats.engines import import_checkpoint
     from eyas.formats.vocab import load_vocab
     from eyas.core.drafter import Eagle3Drafter
 
     tdir = targets.resolve(a.target)
-    readers = [CaptureReader(c) for c in a.capture]
-    src = training.TensorSource({"train": training.CaptureSplit(readers, "train")}, a.max_len)
-    lengths = src.lengths("train")
-    plan = [b for e in range(a.epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
-    plan = plan[: a.max_steps] if a.max_steps is not None else plan
+    readers, src, lengths, plan = train_plan(a)
     vm = load_vocab(a.vocab)
     layer_cfg = copy.deepcopy(AutoConfig.from_pretrained(tdir))
     layer_cfg.num_hidden_layers = 1
@@ -176,13 +183,7 @@ def own_eval(model, readers, a, loss_cfg, ac) -> dict:
 def eyas_real_throughput(a) -> dict:
     """eyas's progress bar counts padded batch tokens; recompute with real tokens (as counted
     for speculators: every sample's length minus the one shifted off) over the same loop time."""
-    from eyas import training
-    from eyas.formats.capture import CaptureReader
-
-    lengths = training.TensorSource({"train": training.CaptureSplit([CaptureReader(c) for c in a.capture], "train")},
-                                    a.max_len).lengths("train")
-    plan = [b for e in range(a.epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
-    plan = plan[: a.max_steps] if a.max_steps is not None else plan
+    _, _, lengths, plan = train_plan(a)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in plan)
     real = sum(lengths[i] - 1 for b in plan for i in b)
     train_rows = [json.loads(l) for l in (a.out / "eyas" / "metrics.jsonl").read_text().splitlines() if l.strip()]

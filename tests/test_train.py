@@ -219,7 +219,7 @@ def test_nan_stops_with_step_named_and_keeps_last_good_checkpoint(pipe, tmp_path
     monkeypatch.setattr(training.TensorSource, "batch", poisoned)
     run = tmp_path / "run"
     code, out, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
-                              "--out", run, "--ttt", "2", "--epochs", "3", "--max-steps", "5", "--eval-every", "2",
+                              "--out", run, "--ttt", "2", "--max-steps", "5", "--eval-every", "2",
                               "--batch-tokens", "300", "--max-len", "96", "--dtype", "fp32")
     assert code == 2
     assert "non-finite loss at step 3" in err and "step-2" in err

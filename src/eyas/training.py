@@ -457,8 +457,8 @@ class Trainer:
         meta = {**self.meta, "step": self.step, "metrics": metrics}
         ck = self.out / "checkpoints" / f"step-{self.step}"
         save_checkpoint(ck, d, meta)
-        state = {"optimizer": opt_state, "optimizer_layout": "fqn" if self._sharded else "torch", "scheduler": self.sched.state_dict(), "step": self.step,
-                 "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "best": self.best,
+        state = {"optimizer": opt_state, "optimizer_layout": self._optimizer_layout,
+                 "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "best": self.best,
                  "rng": rng_state(), "config": asdict(self.cfg)}
         tmp = ck / f".{STATE_FILE}.tmp"
         torch.save(state, tmp)
@@ -472,6 +472,11 @@ class Trainer:
     @property
     def _sharded(self) -> bool:
         return self.cfg.fsdp and self.dist.world > 1
+
+    @property
+    def _optimizer_layout(self) -> str:
+        """How the saved optimizer state is keyed: parameter names (FSDP) or torch's own ids."""
+        return "fqn" if self._sharded else "torch"
 
     def _optimizer_state(self) -> dict:
         """The optimizer state to save: as torch keeps it, or under FSDP gathered from the shards into
@@ -536,7 +541,7 @@ class Trainer:
                             f"{ {k: v[0] for k, v in changed.items()} } (now { {k: v[1] for k, v in changed.items()} }); "
                             "resume with the original flags or start a new --out")
         layout = state.get("optimizer_layout", "torch")
-        if state["optimizer"] is not None and layout != ("fqn" if self._sharded else "torch"):
+        if state["optimizer"] is not None and layout != self._optimizer_layout:
             raise EyasError(f"--resume {self.out}: {ck.name} was saved {'with' if layout == 'fqn' else 'without'} "
                             "FSDP sharding; resume with the same --fsdp setting and process count")
         self._load_state(read_tensors(ck / "model.safetensors"), state["optimizer"])

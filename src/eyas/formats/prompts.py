@@ -156,13 +156,17 @@ def source_name(path: Path) -> str:
 
 def dedup_key(conv: Conversation) -> str:
     """User turns, lowercased, letters and digits only (SOURCES.md's normalisation)."""
-    return "\x1f".join(re.sub(r"[^0-9a-z]+", "", t.lower()) for t in conv.user_turns)
+    return "\x1f".join(_normalise(t) for t in conv.user_turns)
 
 
 def first_turn_key(conv: Conversation) -> str:
     """The first user turn, normalised as `dedup_key` (what `eyas bench` prompts with)."""
     turns = conv.user_turns
-    return re.sub(r"[^0-9a-z]+", "", turns[0].lower()) if turns else ""
+    return _normalise(turns[0]) if turns else ""
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"[^0-9a-z]+", "", text.lower())
 
 
 def file_category(source: str) -> str:
