@@ -24,7 +24,8 @@ tokens/s). The speculators drafter is imported into an eyas checkpoint by eyas's
 importer (`formats.engines.import_checkpoint`) so both run in the same runtime.
 
     python bench/bench_quality_vs_speculators.py --capture CAP [CAP ...] --vocab V.safetensors \
-        --prompts P.jsonl --out OUT [--ttt 5] [--max-steps 300] [--batch-tokens 4096]
+        --prompts P.jsonl --out OUT [--ttt 5] [--max-steps 300] [--batch-tokens 4096] \
+        [--eyas-epochs E] [--eyas-flags norm_before_residual,norm_before_fc,norm_output]
 
 Each phase writes its result under OUT and is skipped when rerun (delete it to redo).
 """
@@ -57,7 +58,7 @@ def run(cmd: list[str], log: Path) -> None:
 
 
 def train_args(a, max_steps: int | None) -> list[str]:
-    return ["--ttt", str(a.ttt), "--epochs", str(a.epochs), "--lr", str(a.lr), "--batch-tokens", str(a.batch_tokens),
+    return ["--ttt", str(a.ttt), "--epochs", str(a.eyas_epochs), "--lr", str(a.lr), "--batch-tokens", str(a.batch_tokens),
             "--max-len", str(a.max_len), "--seed", "0", "--dtype", a.dtype, "--eval-every", str(10 ** 9)] + \
            (["--max-steps", str(max_steps)] if max_steps is not None else [])
 
@@ -68,13 +69,14 @@ def train_eyas(a) -> dict:
 
     t0 = time.perf_counter()
     rc = cli.main(["train", "--target", a.target, "--capture", *map(str, a.capture), "--vocab", str(a.vocab),
-                   "--out", str(a.out / "eyas"), "--force", *train_args(a, a.max_steps)])
+                   "--out", str(a.out / "eyas"), "--force", *train_args(a, a.max_steps),
+                   *(["--drafter-flags", a.eyas_flags] if a.eyas_flags else [])])
     if rc:
         sys.exit(rc)
     return {"seconds": time.perf_counter() - t0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def train_plan(a):
+def train_plan(a, epochs: int):
     """The captures' train split and the batches `eyas train` takes from it (seed 0), all epochs."""
     from eyas import training
     from eyas.formats.capture import CaptureReader
@@ -82,7 +84,7 @@ def train_plan(a):
     readers = [CaptureReader(c) for c in a.capture]
     src = training.TensorSource({"train": training.CaptureSplit(readers, "train")}, a.max_len)
     lengths = src.lengths("train")
-    plan = [b for e in range(a.epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
+    plan = [b for e in range(epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
     return readers, src, lengths, plan[: a.max_steps] if a.max_steps is not None else plan
 
 
@@ -100,7 +102,7 @@ def train_speculators(a) -> dict:
     from eyas.core.drafter import Eagle3Drafter
 
     tdir = targets.resolve(a.target)
-    readers, src, lengths, plan = train_plan(a)
+    readers, src, lengths, plan = train_plan(a, a.epochs)
     vm = load_vocab(a.vocab)
     layer_cfg = copy.deepcopy(AutoConfig.from_pretrained(tdir))
     layer_cfg.num_hidden_layers = 1
@@ -183,7 +185,7 @@ def own_eval(model, readers, a, loss_cfg, ac) -> dict:
 def eyas_real_throughput(a) -> dict:
     """eyas's progress bar counts padded batch tokens; recompute with real tokens (as counted
     for speculators: every sample's length minus the one shifted off) over the same loop time."""
-    _, _, lengths, plan = train_plan(a)
+    _, _, lengths, plan = train_plan(a, a.eyas_epochs)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in plan)
     real = sum(lengths[i] - 1 for b in plan for i in b)
     train_rows = [json.loads(l) for l in (a.out / "eyas" / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -206,6 +208,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ttt", type=int, default=5)
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--eyas-epochs", type=int, help="eyas's epochs (default --epochs): an equal-time comparison "
+                   "gives eyas the epochs its higher throughput buys in speculators' training time")
+    p.add_argument("--eyas-flags", default="", help="eyas train --drafter-flags (e.g. the speculators layout: "
+                   "norm_before_residual,norm_before_fc,norm_output)")
     p.add_argument("--max-steps", type=int)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--pack-tokens", type=int, default=1024, help="speculators: tokens per packed forward")
@@ -218,6 +224,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    a.eyas_epochs = a.eyas_epochs or a.epochs
     a.out.mkdir(parents=True, exist_ok=True)
     if a.which:
         torch.set_num_threads(a.threads)
@@ -252,6 +259,8 @@ def main() -> None:
     res["ratios"] = {f"{m}_acceptance_length": e["bench"][m]["acceptance_length"] / s["bench"][m]["acceptance_length"]
                      for m in ("chain", "tree")}
     res["ratios"]["val_accept_len"] = e["val"]["accept_len"] / s["val"]["accept_len"]
+    res["ratios"]["train_tokens_per_s"] = e["train"]["tokens_per_s"] / s["train"]["tokens_per_s"]
+    res["ratios"]["train_loop_seconds"] = e["train"]["loop_seconds"] / s["train"]["seconds"]
     (a.out / "compare.json").write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res, indent=1))
 

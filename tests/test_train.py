@@ -119,6 +119,30 @@ def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
     assert steps_b == [2, 4, 6, 7]
 
 
+def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkeypatch):
+    # After the first epoch the trainer passes each sample's cached full-vocabulary argmax;
+    # every such table must equal the one built from scratch.
+    from eyas.core import ttt
+
+    real, reused = ttt.target_table, []
+
+    def checked(last, mask, lm_head, target_ids, t2d, chunk=1024, argmax=None):
+        tab = real(last, mask, lm_head, target_ids, t2d, chunk, argmax)
+        if argmax is not None:
+            ref = real(last, mask, lm_head, target_ids, t2d, chunk)
+            assert torch.equal(tab.argmax, ref.argmax) and torch.equal(tab.probs, ref.probs)
+            assert torch.equal(tab.in_vocab, ref.in_vocab) and torch.equal(tab.index, ref.index)
+            reused.append(int(argmax.numel()))
+        return tab
+
+    monkeypatch.setattr(training.ttt, "target_table", checked)
+    code, _, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                            "--out", tmp_path / "run", "--ttt", "2", "--epochs", "3", "--batch-tokens", "300",
+                            "--eval-every", "3", *COMMON[:2], "--max-len", "96")
+    assert code == 0, err
+    assert reused and sum(reused) > 0  # epochs 2 and 3 (and repeated evals) used the cache
+
+
 def test_ddp_two_processes_equal_one(pipe, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1"}
     args = ["--target", str(pipe["target"]), "--capture", str(pipe["cap"]), "--vocab", str(pipe["vocab"]),

@@ -82,6 +82,23 @@ def test_target_table_rows_and_masks():
                 assert int(rows[t]) == int(tab.index[0, t + 1 + i])
 
 
+def test_target_table_with_known_argmax():
+    torch.manual_seed(1)
+    last, lm = torch.randn(2, 7, 4), torch.randn(9, 4)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]])
+    tids = torch.tensor([1, 4, 6, 8])
+    t2d = torch.zeros(9, dtype=torch.bool)
+    t2d[tids] = True
+    tab = ttt.target_table(last, mask, lm, tids, t2d, chunk=3)
+    assert tab.rows_per_sample() == [4, 4]
+    again = ttt.target_table(last, mask, lm, tids, t2d, chunk=3, argmax=tab.argmax.to(torch.int32))
+    assert torch.equal(again.probs, tab.probs) and torch.equal(again.argmax, tab.argmax)
+    assert torch.equal(again.in_vocab, tab.in_vocab)
+    # a stale argmax for a different batch is refused, not silently misaligned
+    with pytest.raises(ValueError, match="supervised positions"):
+        ttt.target_table(last, mask, lm, tids, t2d, argmax=tab.argmax[:-1])
+
+
 def tiny_drafter(V=32, N=20, H=16, seed=0):
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, num_attention_heads=4, num_key_value_heads=2,

@@ -121,6 +121,10 @@ class TargetTable:
         """(B, T) row of the target of step i at index t (position t+1+i), -1 if none."""
         return shift_left(self.index, 1 + i, pad=-1)
 
+    def rows_per_sample(self) -> list[int]:
+        """Rows of each batch sample, in row order (rows are numbered sample by sample)."""
+        return (self.index >= 0).sum(1).tolist()
+
     def step_counts(self, steps: int) -> torch.Tensor:
         """(K,) number of loss positions (supervised and target argmax in vocab) per step."""
         out = []
@@ -133,10 +137,12 @@ class TargetTable:
 
 @torch.no_grad()
 def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor, target_ids: torch.Tensor,
-                 t2d: torch.Tensor, chunk: int = 1024) -> TargetTable:
+                 t2d: torch.Tensor, chunk: int = 1024, argmax: torch.Tensor | None = None) -> TargetTable:
     """Build the TargetTable from the final-norm states `last` (B, T, H) and the target's
-    `lm_head` (V, H). Logits are computed `chunk` positions at a time, so a 49k vocabulary at
-    T=2048 never materialises (B*T, V); only the (M, N) draft slice is kept."""
+    `lm_head` (V, H). The draft distributions come from the N draft rows of lm_head only; the
+    full-vocabulary argmax needs all V rows, `chunk` positions at a time (a 49k vocabulary at
+    T=2048 never materialises (B*T, V)), unless the caller passes it: `argmax` (M,), known
+    from an earlier epoch (it depends on the data alone), skips the (M, V) product."""
     B, T, _ = last.shape
     sup = torch.zeros(B, T, dtype=torch.bool, device=last.device)
     sup[:, :-1] = loss_mask[:, 1:].bool()
@@ -144,16 +150,22 @@ def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Ten
     M = int(sup.sum())
     index[sup] = torch.arange(M, device=last.device)
     states = last[sup]  # (M, H)
-    probs, argmax = [], []
     w = lm_head.to(states.dtype)
+    w_draft = w[target_ids]  # (N, H)
+    probs, found = [], []
     for a in range(0, M, chunk):
-        logits = (states[a:a + chunk] @ w.T).float()  # (c, V); argmax is ~4x faster in fp32 than bf16 on CPU
-        argmax.append(logits.argmax(-1))
-        probs.append(torch.softmax(logits[:, target_ids], dim=-1))
+        s = states[a:a + chunk]
+        probs.append(torch.softmax((s @ w_draft.T).float(), dim=-1))
+        if argmax is None:
+            found.append((s @ w.T).float().argmax(-1))  # fp32 argmax is ~4x faster than bf16 on CPU
     N = target_ids.numel()
     probs_t = torch.cat(probs) if probs else torch.zeros(0, N, device=last.device)
-    argmax_t = torch.cat(argmax) if argmax else torch.zeros(0, dtype=torch.long, device=last.device)
-    return TargetTable(index, probs_t, argmax_t, t2d[argmax_t])
+    if argmax is None:
+        argmax = torch.cat(found) if found else torch.zeros(0, dtype=torch.long, device=last.device)
+    elif argmax.shape != (M,):
+        raise ValueError(f"argmax has shape {tuple(argmax.shape)}, the batch has {M} supervised positions")
+    argmax = argmax.to(device=last.device, dtype=torch.long)
+    return TargetTable(index, probs_t, argmax, t2d[argmax])
 
 
 # ---------------------------------------------------------------- unrolled loss + metrics
