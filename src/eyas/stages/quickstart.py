@@ -96,7 +96,8 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: ~20 min on 2 CPU cores; medium/large: more data and training")
+                   help="small: ~16 min on 2 CPU cores; medium: ~45 min there (1,000 prompts, 6 epochs); "
+                   "large: more data, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
     add_json_flag(p)
