@@ -64,7 +64,7 @@ PLANS = {
     # 22.8, capture 1.9, train 15.4 for 648 steps, bench 3.2); val acc_0 0.52, tree acceptance 2.35.
     "medium": Plan(prompts=1000, answer_tokens=192, eval_fraction=0.04, max_len=768, draft_vocab=8192,
                    train_epochs=6, train_max_steps=3000, ttt=5, batch_tokens=2048, bench_prompts=16,
-                   bench_new_tokens=128, minutes=(0.2, 20, 0.1, 1.5, 25, 4)),
+                   bench_new_tokens=128, minutes=(0.2, 23, 0.1, 2, 16, 3.5)),
     "large": Plan(prompts=1300, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
                   train_epochs=6, train_max_steps=10000, ttt=7, batch_tokens=8192, bench_prompts=40,
                   bench_new_tokens=128, minutes=(0.2, 70, 0.5, 10, 120, 25)),
