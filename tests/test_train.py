@@ -138,7 +138,7 @@ def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkey
     monkeypatch.setattr(training.ttt, "target_table", checked)
     code, _, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
                             "--out", tmp_path / "run", "--ttt", "2", "--epochs", "3", "--batch-tokens", "300",
-                            "--eval-every", "3", *COMMON[:2], "--max-len", "96")
+                            "--eval-every", "3", "--dtype", "fp32", "--max-len", "96")
     assert code == 0, err
     assert reused and sum(reused) > 0  # epochs 2 and 3 (and repeated evals) used the cache
 

@@ -314,11 +314,11 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
     tr.timer.reset()
     t0 = time.perf_counter()
     n = prompt.shape[0]
-    budget = s.k + 1 if s.method == "chain" else s.tree[2]
-    cap = n + s.max_new_tokens + budget + 2
-    tr.reset(cap)
+    budget = s.k + 1 if s.method == "chain" else s.tree[2]  # tokens the target verifies per step
     # the drafter caches every expanded frontier node, not just the kept ones: topk per level
-    dr.reset(cap if s.method == "chain" else n + s.max_new_tokens + 1 + s.tree[0] * s.tree[1] + 2)
+    drafted = budget if s.method == "chain" else 1 + s.tree[0] * s.tree[1]
+    tr.reset(n + s.max_new_tokens + budget + 2)
+    dr.reset(n + s.max_new_tokens + drafted + 2)
     logits, feats = tr.forward(prompt, torch.arange(n))
     x = _pick_target(logits[-1], s, gen)
     out, accepted = [x], []

@@ -470,8 +470,9 @@ class Trainer:
         ck = self.out / "checkpoints" / f"step-{self.step}"
         save_checkpoint(ck, d, meta)
         state = {"optimizer": opt_state, "optimizer_layout": self._optimizer_layout,
-                 "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "best": self.best,
-                 "rng": rng_state(), "config": asdict(self.cfg)}
+                 "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch,
+                 "batch_in_epoch": self.batch_in_epoch, "best": self.best, "rng": rng_state(),
+                 "config": asdict(self.cfg)}
         tmp = ck / f".{STATE_FILE}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, ck / STATE_FILE)
