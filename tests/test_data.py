@@ -202,6 +202,34 @@ def test_regenerate_greedy_is_deterministic_and_stale_work_ignored(tiny_target, 
     assert (a / "train.jsonl").read_bytes() == (b / "train.jsonl").read_bytes()
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_decode_batch_equals_generate_one_by_one(tiny_targets, kind):
+    """The batched regeneration decoder (left padding, rows leaving the batch as they stop)
+    writes what transformers' own greedy generate() writes for each prompt alone (fp32)."""
+    from eyas import targets
+    from eyas.regenerate import decode_batch
+
+    model, _ = targets.load(tiny_targets[kind])
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 17, 9, 12, 3, 21, 8, 14)]
+    ref = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        ref.append(out[0, len(p):].tolist())
+    # stop tokens taken from the reference answers, so rows stop at different steps
+    stops = sorted({ref[0][2], ref[3][5], ref[6][8]})
+    want = []
+    for r in ref:
+        cut = next((i for i, t in enumerate(r) if t in stops), None)
+        want.append(r if cut is None else r[: cut + 1])
+    assert len({len(w) for w in want}) > 2  # the batch really shrinks along the way
+    assert decode_batch(model, prompts, 12, stops) == want
+    assert decode_batch(model, prompts, 12, []) == ref
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -116,24 +116,78 @@ def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenS
 
     Returns the decoded answers (up to the first stop token) and the number of new tokens.
     """
-    from transformers import GenerationConfig
-
     texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-    sample = settings.temperature > 0
-    cfg = GenerationConfig(max_new_tokens=settings.max_new_tokens, do_sample=sample,
-                           temperature=settings.temperature if sample else None,
-                           top_k=0 if sample else None, top_p=1.0 if sample else None,
-                           eos_token_id=stop_ids, pad_token_id=tokenizer.pad_token_id)
-    with torch.no_grad():
-        out = model.generate(**enc, generation_config=cfg)  # (B, T_prompt + new)
-    new = out[:, enc["input_ids"].shape[1]:].tolist()
-    answers, n_tokens = [], 0
-    for row in new:
-        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
-        n_tokens += min(cut + 1, len(row))
-        answers.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-    return answers, n_tokens
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    rows = decode_batch(model, prompts, settings.max_new_tokens, stop_ids, settings.temperature,
+                        tokenizer.pad_token_id or 0)
+    answers = [tokenizer.decode([t for t in row if t not in stop_ids], skip_special_tokens=True) for row in rows]
+    return answers, sum(len(row) for row in rows)
+
+
+@torch.inference_mode()
+def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                 temperature: float = 0.0, pad_id: int = 0) -> list[list[int]]:
+    """Continue each prompt until its first stop token (kept) or max_new_tokens: greedy, or
+    sampled at `temperature` (torch's global RNG). Left-padded batch in one preallocated KV
+    cache; finished sequences leave the batch once a quarter of it has finished, so short
+    answers stop costing compute (transformers' `generate()` carries them to the end)."""
+    prev = model.config._attn_implementation
+    try:
+        return _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id)
+    finally:
+        model.set_attn_implementation(prev)
+
+
+def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id) -> list[list[int]]:
+    from transformers.cache_utils import Cache
+
+    from eyas import targets
+    from eyas.runtime import PreallocLayer
+
+    dev = model.device
+    B, L = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, L + max_new_tokens, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, L - len(p):L] = 1
+    pos = (mask[:, :L].cumsum(-1) - 1).clamp(min=0)
+    n_layers = len(targets.find_decoder_stack(model).layers)
+    cache = Cache(layers=[PreallocLayer(L + max_new_tokens) for _ in range(n_layers)])
+    logits = model(input_ids=ids.to(dev), attention_mask=mask[:, :L].to(dev), position_ids=pos.to(dev),
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    # One query per row from here on: eager attention measured 2.3x sdpa's tokens/s at 64 rows on
+    # CPU (the prefill above stays on the model's own, memory-lean attention).
+    model.set_attn_implementation("eager")
+    nxt = pos[:, -1] + 1  # next position of each live row
+    live = torch.arange(B)  # original index of each live row
+    done = torch.zeros(B, dtype=torch.bool)
+    stops = torch.tensor(stop_ids, dtype=torch.long)
+    out: list[list[int]] = [[] for _ in range(B)]
+    for step in range(max_new_tokens):
+        if temperature > 0:
+            tok = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1)[:, 0].cpu()
+        else:
+            tok = logits.float().argmax(-1).cpu()
+        for r, t in zip(live.tolist(), tok.tolist()):
+            out[r].append(t)
+        done = done | torch.isin(tok, stops)
+        if step == max_new_tokens - 1 or bool(done.all()):
+            break
+        if int(done.sum()) * 4 >= live.numel():  # else finished rows ride along, cut below
+            keep = (~done).nonzero()[:, 0]
+            live, tok, nxt, mask, done = live[keep], tok[keep], nxt[keep], mask[keep], done[keep]
+            for layer in cache.layers:
+                layer.keep_sequences(keep.to(dev))
+        mask[:, L + step] = 1
+        logits = model(input_ids=tok[:, None].to(dev), attention_mask=mask[:, :L + step + 1].to(dev),
+                       position_ids=nxt[:, None].to(dev), past_key_values=cache, use_cache=True).logits[:, -1]
+        nxt = nxt + 1
+    for row in out:
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), None)
+        if cut is not None:
+            del row[cut + 1:]
+    return out
 
 
 def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSettings, stop_ids: list[int],

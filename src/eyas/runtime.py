@@ -100,6 +100,12 @@ class PreallocLayer(DynamicLayer):
         if self.is_initialized:
             self._view()
 
+    def keep_sequences(self, batch_rows: torch.Tensor) -> None:
+        """Keep only these batch rows (sequences), in this order."""
+        if self.is_initialized:
+            self.kbuf, self.vbuf = self.kbuf[batch_rows], self.vbuf[batch_rows]
+            self._view()
+
     def compact(self, start: int, rows: torch.Tensor) -> None:
         """Keep rows start+rows (in order) at start.., drop everything after them."""
         if self.is_initialized:
