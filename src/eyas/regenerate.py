@@ -1,7 +1,8 @@
 """Regeneration: the target writes the assistant turns itself (EAGLE-3 trains the drafter
 on the target's own distribution, not on the dataset's answers).
 
-Batched `generate()` with KV cache and left padding; greedy unless a temperature is
+Batched decoding (`decode_batch`: one preallocated KV cache, left padding, prompts of similar
+length batched together, finished rows leaving the batch); greedy unless a temperature is
 given. Multi-turn conversations are answered turn by turn, each turn seeing the target's
 earlier answers. Resumable: every finished batch is appended (and fsynced) to
 `<work_dir>/batches.jsonl`; a rerun with the same target, prompts and settings reuses
@@ -25,7 +26,7 @@ import torch
 from eyas.formats.prompts import Conversation
 
 log = logging.getLogger(__name__)
-WORK_VERSION = 1
+WORK_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -156,9 +157,8 @@ def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id)
     cache = Cache(layers=[PreallocLayer(L + max_new_tokens) for _ in range(n_layers)])
     logits = model(input_ids=ids.to(dev), attention_mask=mask[:, :L].to(dev), position_ids=pos.to(dev),
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    # One query per row from here on: eager attention measured 2.3x sdpa's tokens/s at 64 rows on
-    # CPU (the prefill above stays on the model's own, memory-lean attention).
-    model.set_attn_implementation("eager")
+    if dev.type == "cpu":  # one query per row from here on: eager attention measured 2.3x sdpa's
+        model.set_attn_implementation("eager")  # tokens/s at 64 rows (prefill keeps the model's own)
     nxt = pos[:, -1] + 1  # next position of each live row
     live = torch.arange(B)  # original index of each live row
     done = torch.zeros(B, dtype=torch.bool)
@@ -245,11 +245,15 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     B = settings.batch_size
+    # Batches of similar prompt length: a left-padded batch pays for its longest prompt in every
+    # row. Answers go back to input order below.
+    order = sorted(range(len(convs)), key=lambda i: len(json.dumps(prompt_turns(convs[i]), ensure_ascii=False)))
+    by_len = [convs[i] for i in order]
     n_batches = (len(convs) + B - 1) // B
     bar = tqdm(total=n_batches, desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
     try:
         for b in range(n_batches):
-            batch = convs[b * B:(b + 1) * B]
+            batch = by_len[b * B:(b + 1) * B]
             if b in work.done and work.done[b]["ids"] == [c.id for c in batch]:
                 stats.batches_reused += 1
                 bar.update(1)
@@ -265,10 +269,10 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     finally:
         bar.close()
         tokenizer.padding_side = old_side
-    out = []
+    out: list[Conversation | None] = [None] * len(convs)
     for b in range(n_batches):
-        for conv, ans in zip(convs[b * B:(b + 1) * B], work.done[b]["answers"]):
-            out.append(_with_answers(conv, ans))
+        for i, ans in zip(order[b * B:(b + 1) * B], work.done[b]["answers"]):
+            out[i] = _with_answers(convs[i], ans)
     return out, stats
 
 
