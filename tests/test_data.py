@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import PROMPTS
+from conftest import KINDS, PROMPTS
 
 from eyas.errors import EyasError
 from eyas.formats.data import end_of_turn_ids, read_manifest, read_samples, render_masked, split_of
@@ -202,10 +202,31 @@ def test_regenerate_greedy_is_deterministic_and_stale_work_ignored(tiny_target, 
     assert (a / "train.jsonl").read_bytes() == (b / "train.jsonl").read_bytes()
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma"])
+def test_gqa_attention_equals_eager():
+    """The broadcast grouped-query attention used for batched decoding equals transformers'
+    eager attention (which copies each KV head to its query heads), with a padding mask."""
+    from types import SimpleNamespace
+
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    from eyas.regenerate import gqa_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, kvh, T, S, D = 3, 6, 2, 2, 11, 8
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, T), (kvh, S), (kvh, S)))
+    mask = torch.zeros(B, 1, T, S)
+    mask[0, :, :, :4] = torch.finfo(torch.float32).min  # left padding of row 0
+    mod = SimpleNamespace(num_key_value_groups=H // kvh, training=False)
+    want, _ = eager_attention_forward(mod, q, k, v, mask, scaling=0.3)
+    got, _ = gqa_attention(mod, q, k, v, mask, scaling=0.3)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_decode_batch_equals_generate_one_by_one(tiny_targets, kind):
-    """The batched regeneration decoder (left padding, rows leaving the batch as they stop)
-    writes what transformers' own greedy generate() writes for each prompt alone (fp32)."""
+    """The batched regeneration decoder (left padding, rows leaving the batch as they stop,
+    `gqa_attention` on CPU) writes what transformers' own greedy generate() writes for each
+    prompt alone (fp32)."""
     from eyas import targets
     from eyas.regenerate import decode_batch
 

@@ -157,8 +157,8 @@ def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id)
     cache = Cache(layers=[PreallocLayer(L + max_new_tokens) for _ in range(n_layers)])
     logits = model(input_ids=ids.to(dev), attention_mask=mask[:, :L].to(dev), position_ids=pos.to(dev),
                    past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-    if dev.type == "cpu":  # one query per row from here on: eager attention measured 2.3x sdpa's
-        model.set_attn_implementation("eager")  # tokens/s at 64 rows (prefill keeps the model's own)
+    if dev.type == "cpu" and _plain_attention(model):  # one query per row from here on
+        model.set_attn_implementation(_register_decode_attention())
     nxt = pos[:, -1] + 1  # next position of each live row
     live = torch.arange(B)  # original index of each live row
     done = torch.zeros(B, dtype=torch.bool)
@@ -188,6 +188,41 @@ def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id)
         if cut is not None:
             del row[cut + 1:]
     return out
+
+
+DECODE_ATTENTION = "eyas_gqa_decode"
+
+
+def gqa_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
+    """Attention for a few queries per sequence over a long KV cache, on CPU: the grouped
+    query heads share their KV head through a broadcast matmul instead of transformers'
+    eager `repeat_kv` copy (B x heads x S x d per layer and step), and skip sdpa's CPU flash
+    kernel, which is slow for one query. Softmax in fp32, as eager attention does."""
+    B, H, T, D = query.shape
+    kvh, S = key.shape[1], key.shape[2]
+    q = query.reshape(B, kvh, (H // kvh) * T, D)  # head h uses KV head h // (H // kvh)
+    scores = (q @ key.transpose(-1, -2)).view(B, H, T, S) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., :S]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = probs.view(B, kvh, (H // kvh) * T, S) @ value
+    return out.view(B, H, T, D).transpose(1, 2), None
+
+
+def _register_decode_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(DECODE_ATTENTION, gqa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, eager_mask)
+    return DECODE_ATTENTION
+
+
+def _plain_attention(model) -> bool:
+    """Whether the target's attention is plain scaled dot product (no logit soft-capping or
+    attention sinks, which `gqa_attention` does not implement)."""
+    cfg = model.config.get_text_config()
+    return not any(getattr(cfg, k, None) for k in ("attn_logit_softcapping", "attention_sink", "sinks"))
 
 
 def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSettings, stop_ids: list[int],
