@@ -55,14 +55,16 @@ PLANS = {
     # acceptance 2.00); 5 epochs keep a margin under 20 minutes. With the length-windowed batch
     # plan (less padding, fewer steps per epoch) 5 epochs at 4096 batch tokens gave 110 steps and
     # tree acceptance 1.71 in 15.6 min; 2048 batch tokens: 215 steps in the same 5.6 min of
-    # training, tree acceptance 1.87 (about 15.7 min in all). Regeneration then got 2.9x faster
-    # (eyas's own batched decoder), which buys 700 prompts in about the same time.
+    # training, tree acceptance 1.87 (about 15.7 min in all). With eyas's own batched regeneration
+    # (4.4x generate()'s tokens/s) 700 prompts took 14.4 min (data 4.1, capture 1.4, train 7.7 for
+    # 345 steps, bench 1.2); tree acceptance 2.09, 1.19x plain.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=800, ttt=5, batch_tokens=2048, bench_prompts=10,
-                  bench_new_tokens=64, minutes=(0.2, 8.5, 0.1, 0.8, 7.5, 1.3)),
+                  bench_new_tokens=64, minutes=(0.2, 4.2, 0.1, 1.4, 7.8, 1.2)),
     # medium: the built-in prompt pool (1,154) nearly all answered by the target, 8k vocab (covers
     # 100% of its 5,285 distinct supervised tokens), small's batch size. Measured: 43.3 min (data
     # 22.8, capture 1.9, train 15.4 for 648 steps, bench 3.2); val acc_0 0.52, tree acceptance 2.35.
+    # That data stage ran at 117 tok/s under generate(); not re-run with the faster regeneration.
     "medium": Plan(prompts=1000, answer_tokens=192, eval_fraction=0.04, max_len=768, draft_vocab=8192,
                    train_epochs=6, train_max_steps=3000, ttt=5, batch_tokens=2048, bench_prompts=16,
                    bench_new_tokens=128, minutes=(0.2, 23, 0.1, 2, 16, 3.5)),
@@ -97,7 +99,7 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: ~16 min on 2 CPU cores; medium: ~45 min there (1,000 prompts, 6 epochs); "
+                   help="small: ~15 min on 2 CPU cores; medium: ~45 min there (1,000 prompts, 6 epochs); "
                    "large: more data, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
