@@ -119,8 +119,7 @@ def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenS
     """
     texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    rows = decode_batch(model, prompts, settings.max_new_tokens, stop_ids, settings.temperature,
-                        tokenizer.pad_token_id or 0)
+    rows = decode_batch(model, prompts, settings.max_new_tokens, stop_ids, settings.temperature)
     answers = [tokenizer.decode([t for t in row if t not in stop_ids], skip_special_tokens=True) for row in rows]
     return answers, sum(len(row) for row in rows)
 
@@ -131,7 +130,8 @@ def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids:
     """Continue each prompt until its first stop token (kept) or max_new_tokens: greedy, or
     sampled at `temperature` (torch's global RNG). Left-padded batch in one preallocated KV
     cache; finished sequences leave the batch once a quarter of it has finished, so short
-    answers stop costing compute (transformers' `generate()` carries them to the end)."""
+    answers stop costing compute (transformers' `generate()` carries them to the end). Padding
+    (`pad_id`) is masked out, so its value does not matter."""
     prev = model.config._attn_implementation
     try:
         return _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id)
@@ -275,10 +275,6 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     work = WorkFile(work_dir, work_key(fingerprint, settings, convs))
     stats = GenStats()
     limit = _max_positions(model)
-    old_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"  # generation appends on the right: pad on the left
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     B = settings.batch_size
     # Batches of similar prompt length: a left-padded batch pays for its longest prompt in every
     # row. Answers go back to input order below.
@@ -303,7 +299,6 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
             bar.update(1)
     finally:
         bar.close()
-        tokenizer.padding_side = old_side
     out: list[Conversation | None] = [None] * len(convs)
     for b in range(n_batches):
         for i, ans in zip(order[b * B:(b + 1) * B], work.done[b]["answers"]):
