@@ -146,9 +146,9 @@ def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkey
 def test_ddp_two_processes_equal_one(pipe, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1"}
     args = ["--target", str(pipe["target"]), "--capture", str(pipe["cap"]), "--vocab", str(pipe["vocab"]),
-            "--ttt", "2", "--max-steps", "2", "--eval-every", "100", "--batch-tokens", "400", "--max-len", "96",
-            "--dtype", "fp32", "--lr", "1e-3"]
-    procs = []
+            "--ttt", "2", "--max-steps", "2", "--eval-every", "100", "--batch-tokens", "512", "--max-len", "96",
+            "--dtype", "fp32", "--lr", "1e-3"]  # 512: the same batches for 1 and 2 processes (a lone leftover
+    procs = []  # sample makes its own batch for 1 process but joins the previous one for 2)
     runs = ((1, tmp_path / "one", []), (2, tmp_path / "two", []), (2, tmp_path / "fsdp", ["--fsdp"]))
     for n, (procs_n, out, extra) in enumerate(runs):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs_n), "--master-port",

@@ -74,13 +74,22 @@ class Batch:
     loss_mask: torch.Tensor  # (B, T)
     ids: list = field(default_factory=list)  # sample keys, for error messages
     keys: list = field(default_factory=list)  # (split, index) of each sample: the trainer's cache key
-
-    @property
-    def tokens(self) -> int:
-        return int(self.input_ids.numel())
+    tokens: int = 0  # unpadded tokens (what tokens/s counts)
 
 
 # ---------------------------------------------------------------- feature sources
+
+
+# Padded batch lengths are rounded up to a multiple of this. Few distinct batch shapes let
+# the CPU kernels and glibc's heap reuse what the previous steps set up: measured on SmolLM2
+# captures (80 steps, bf16, 2 threads), 1.24x the real tokens/s and 5.7 instead of 8.4 GB
+# anonymous RSS (which kept growing with every new shape: 19.3 GB after 638 steps), for
+# 19% padded tokens instead of 8%.
+SHAPE_MULTIPLE = 64
+
+
+def shape_length(n: int) -> int:
+    return -(-n // SHAPE_MULTIPLE) * SHAPE_MULTIPLE
 
 
 def _pad(seqs: list[torch.Tensor], T: int, value=0) -> torch.Tensor:
@@ -106,13 +115,14 @@ class TensorSource:
     def batch(self, split: str, idxs: list[int]) -> Batch:
         items = [self.splits[split][i] for i in idxs]
         L = self.max_len
-        T = max(min(it["input_ids"].shape[0], L) for it in items)
+        n = [min(it["input_ids"].shape[0], L) for it in items]
+        T = shape_length(max(n))
         return Batch(aux=_pad([it["aux"][:L].float() for it in items], T),
                      last=_pad([it["last"][:L].float() for it in items], T),
                      input_ids=_pad([it["input_ids"][:L].long() for it in items], T),
                      loss_mask=_pad([it["loss_mask"][:L].long() for it in items], T),
                      ids=[self.splits[split].key(i) if hasattr(self.splits[split], "key") else i for i in idxs],
-                     keys=[(split, i) for i in idxs])
+                     keys=[(split, i) for i in idxs], tokens=sum(n))
 
 
 class CaptureSplit:
@@ -157,14 +167,15 @@ class OnlineSource:
 
         samples = [self.splits[split][i] for i in idxs]
         L = self.max_len
-        ids = _pad([torch.tensor(s.input_ids[:L]) for s in samples], max(len(s.input_ids[:L]) for s in samples))
+        n = [len(s.input_ids[:L]) for s in samples]
+        ids = _pad([torch.tensor(s.input_ids[:L]) for s in samples], shape_length(max(n)))
         mask = _pad([torch.tensor(s.loss_mask[:L]) for s in samples], ids.shape[1])
         att = _pad([torch.ones(len(s.input_ids[:L]), dtype=torch.long) for s in samples], ids.shape[1])
         with targets.capture_aux(self.model, self.layer_ids) as cap:
             self.base(input_ids=ids.to(self.device), attention_mask=att.to(self.device))
             aux, last = cap.aux().float(), cap.last.float()
         return Batch(aux=aux, last=last, input_ids=ids, loss_mask=mask, ids=[s.id for s in samples],
-                     keys=[(split, i) for i in idxs])
+                     keys=[(split, i) for i in idxs], tokens=sum(n))
 
 
 # ---------------------------------------------------------------- batching
@@ -284,8 +295,9 @@ class Trainer:
         self.params = params
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                      fused=not cfg.fsdp)  # fused kernel: ~3x faster step on CPU
-        self.train_lengths = source.lengths("train")
-        self.eval_lengths = source.lengths("eval")
+        # batches are planned on the padded shapes
+        self.train_lengths = [shape_length(n) for n in source.lengths("train")]
+        self.eval_lengths = [shape_length(n) for n in source.lengths("eval")]
         per_epoch = len(plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, 0, self.dist.world))
         total = per_epoch * cfg.epochs
         self.total = min(total, cfg.max_steps) if cfg.max_steps is not None else total
