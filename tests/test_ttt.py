@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from eyas import training
 from eyas.core import ttt
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 
@@ -194,6 +195,30 @@ def test_loss_matches_naive_reference_and_grads():
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b.to(a.dtype))
     assert stats.valid.tolist()[0] >= stats.valid.tolist()[-1]
+
+
+def test_trailing_padding_changes_nothing():
+    """Training pads batch lengths up to a multiple of 64 (training.shape_length): loss, step
+    statistics and gradients must not depend on trailing padding (zeros, loss mask 0)."""
+    d, ids = tiny_drafter()
+    aux, x, last, mask, lm = _batch(T=9)
+    mask[:, -1] = 1  # samples end on a supervised token (the end of the assistant turn)
+    K = 3
+
+    def run(pad: int):
+        def p(t):
+            return torch.cat([t, t.new_zeros((t.shape[0], pad) + t.shape[2:])], dim=1)
+        tab = ttt.target_table(p(last), p(mask), lm, ids, d.t2d, chunk=5)
+        loss, stats = ttt.ttt_forward(d, p(aux), p(x), tab, K)
+        return loss, stats, torch.autograd.grad(loss, [q for q in d.parameters() if q.requires_grad])
+
+    (l1, s1, g1), (l2, s2, g2) = run(0), run(55)
+    torch.testing.assert_close(l1, l2)
+    for f in ttt.StepStats.__dataclass_fields__:
+        torch.testing.assert_close(getattr(s1, f), getattr(s2, f))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    assert training.shape_length(1) == training.shape_length(64) == 64 and training.shape_length(65) == 128
 
 
 def test_metrics_conditional_and_accept_length():
