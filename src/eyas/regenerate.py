@@ -126,20 +126,20 @@ def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenS
 
 @torch.inference_mode()
 def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                 temperature: float = 0.0, pad_id: int = 0) -> list[list[int]]:
+                 temperature: float = 0.0) -> list[list[int]]:
     """Continue each prompt until its first stop token (kept) or max_new_tokens: greedy, or
     sampled at `temperature` (torch's global RNG). Left-padded batch in one preallocated KV
     cache; finished sequences leave the batch once a quarter of it has finished, so short
     answers stop costing compute (transformers' `generate()` carries them to the end). Padding
-    (`pad_id`) is masked out, so its value does not matter."""
+    is id 0, masked out."""
     prev = model.config._attn_implementation
     try:
-        return _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id)
+        return _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature)
     finally:
         model.set_attn_implementation(prev)
 
 
-def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id) -> list[list[int]]:
+def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature) -> list[list[int]]:
     from transformers.cache_utils import Cache
 
     from eyas import targets
@@ -147,7 +147,7 @@ def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, pad_id)
 
     dev = model.device
     B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    ids = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L + max_new_tokens, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)

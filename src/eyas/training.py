@@ -169,7 +169,7 @@ class OnlineSource:
         n = [len(s.input_ids[:L]) for s in samples]
         ids = _pad([torch.tensor(s.input_ids[:L]) for s in samples], shape_length(max(n)))
         mask = _pad([torch.tensor(s.loss_mask[:L]) for s in samples], ids.shape[1])
-        att = _pad([torch.ones(len(s.input_ids[:L]), dtype=torch.long) for s in samples], ids.shape[1])
+        att = _pad([torch.ones(k, dtype=torch.long) for k in n], ids.shape[1])
         with targets.capture_aux(self.model, self.layer_ids) as cap:
             self.base(input_ids=ids.to(self.device), attention_mask=att.to(self.device))
             aux, last = cap.aux().float(), cap.last.float()
