@@ -3,15 +3,21 @@ prompt-only conversations generated deterministically from the templates and top
 this file (no data files, no randomness beyond a fixed seed). Categories: code, math,
 explanation, writing, qa, and multi-turn chat (two user turns). They carry no answers,
 so they are meant for `--regenerate` (the target writes the responses).
+
+`PUBLIC` (`--input builtin-public`) is the other built-in set: 2,474 real prompts from
+public MIT / Apache-2.0 datasets, shipped as data (eyas/data/PUBLIC_PROMPTS.md says where
+each comes from; bench/build_public_prompts.py rebuilds the file).
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from eyas.formats.prompts import Conversation
 
 SOURCE = "builtin"
+PUBLIC = Path(__file__).parent / "data" / "public_prompts.jsonl.gz"
 SEED = 1234
 
 LANGUAGES = ("Python", "JavaScript", "Ruby", "C++", "Rust", "Go", "Java", "TypeScript", "Bash", "SQL")

@@ -38,6 +38,9 @@ input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each option
   prompt    prompt (HumanEval, arena-hard)   prompt                                completion or response
   builtin   --input builtin                  ~1,150 generated prompts (code, math, explanation, writing, qa,
                                              two-turn chat); prompt-only, use with --regenerate
+  public    --input builtin-public           2,474 real public prompts shipped with eyas (MIT / Apache-2.0:
+                                             GPTeacher, GSM8K, SVAMP, arena-hard, Open-Assistant,
+                                             self-instruct; see eyas/data/PUBLIC_PROMPTS.md); --regenerate
 
 Records without an answer are dropped unless --regenerate (then the target writes every
 assistant turn, turn by turn). Duplicates (lowercased letters+digits of the user turns) are
@@ -60,7 +63,8 @@ def register(sub) -> None:
     q.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory "
                    "(default %(default)s)")
     q.add_argument("--input", nargs="+", required=True, metavar="FILE",
-                   help="prompt files (.json/.jsonl/.txt, optionally .gz) or `builtin`")
+                   help="prompt files (.json/.jsonl/.txt, optionally .gz), `builtin` (generated prompts) "
+                   "and/or `builtin-public` (public prompts shipped with eyas)")
     q.add_argument("--out", required=True, type=Path, help="output directory")
     q.add_argument("--max-len", type=int, default=2048, help="truncate samples to N tokens (default 2048)")
     q.add_argument("--exclude", nargs="+", metavar="FILE", default=[],
@@ -136,14 +140,15 @@ def _check_template(tok, path: Path) -> None:
 
 
 def _load_inputs(inputs: list[str]) -> tuple[list[Conversation], dict]:
-    from eyas.builtin_prompts import SOURCE, builtin_prompts
+    from eyas.builtin_prompts import PUBLIC, SOURCE, builtin_prompts
 
-    files = [Path(x) for x in inputs if x != "builtin"]
+    files = [PUBLIC if x == "builtin-public" else Path(x) for x in inputs if x != "builtin"]
     convs, stats = fprompts.load_prompt_files_with_stats(files)
     if "builtin" in inputs:
         fprompts.add_conversations(convs, builtin_prompts(), stats, SOURCE)
     if not convs:
-        raise EyasError(f"--input {' '.join(inputs)}: no prompts found; pass files with prompts or `builtin`")
+        raise EyasError(f"--input {' '.join(inputs)}: no prompts found; pass files with prompts, `builtin` "
+                        "or `builtin-public`")
     return convs, stats
 
 

@@ -46,6 +46,8 @@ class Plan:
     bench_new_tokens: int
     dtype: str = "bf16"  # bf16 is the fast configuration on AMX CPUs (ENVIRONMENT.md)
     minutes: tuple[float, ...] = (0.2, 6, 0.2, 1, 6, 4)
+    inputs: tuple[str, ...] = ("builtin",)  # `eyas data prepare --input`
+    tree: str = "4,5,16"  # `eyas bench --tree`
 
 
 PLANS = {
@@ -61,16 +63,20 @@ PLANS = {
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=800, ttt=5, batch_tokens=2048, bench_prompts=10,
                   bench_new_tokens=64, minutes=(0.2, 4.2, 0.1, 1.4, 7.8, 1.2)),
-    # medium: the built-in prompt pool (1,154) nearly all answered by the target, 8k vocab (covers
-    # 100% of its 5,285 distinct supervised tokens), small's batch size. Measured: 43.3 min (data
-    # 22.8, capture 1.9, train 15.4 for 648 steps, bench 3.2); val acc_0 0.52, tree acceptance 2.35.
-    # That data stage ran at 117 tok/s under generate(); not re-run with the faster regeneration.
-    "medium": Plan(prompts=1000, answer_tokens=192, eval_fraction=0.04, max_len=768, draft_vocab=8192,
-                   train_epochs=6, train_max_steps=3000, ttt=5, batch_tokens=2048, bench_prompts=16,
-                   bench_new_tokens=128, minutes=(0.2, 23, 0.1, 2, 16, 3.5)),
-    "large": Plan(prompts=1300, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
+    # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
+    # eyas/data/PUBLIC_PROMPTS.md), all answered by the target; the recipe of the drafter that
+    # reached tree acceptance 2.9-3.3 on MT-bench + MBPP (4096-token batches, 1024 max length), with
+    # 3 epochs in one cosine schedule. Bench with a wider tree (6,6,24): on this CPU a bf16 verification
+    # of 24 tokens costs about as much per accepted token as one of 16. The earlier medium (1,000
+    # generated prompts only, 6 epochs at 2048 batch tokens) stopped at tree acceptance 2.35.
+    "medium": Plan(prompts=4000, answer_tokens=192, eval_fraction=0.04, max_len=1024, draft_vocab=8192,
+                   train_epochs=3, train_max_steps=5000, ttt=5, batch_tokens=4096, bench_prompts=20,
+                   bench_new_tokens=128, minutes=(0.2, 25, 0.1, 5, 42, 7), inputs=("builtin-public", "builtin"),
+                   tree="6,6,24"),
+    "large": Plan(prompts=4000, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
                   train_epochs=6, train_max_steps=10000, ttt=7, batch_tokens=8192, bench_prompts=40,
-                  bench_new_tokens=128, minutes=(0.2, 70, 0.5, 10, 120, 25)),
+                  bench_new_tokens=128, minutes=(0.2, 35, 0.5, 10, 120, 25), inputs=("builtin-public", "builtin"),
+                  tree="6,6,24"),
 }
 
 STAGES = ("target", "data", "vocab", "capture", "train", "bench")
@@ -78,7 +84,7 @@ STAGES = ("target", "data", "vocab", "capture", "train", "bench")
 # The per-stage argv, in one table: {placeholders} are filled from the plan and from the
 # directories of earlier stages. Keep stage flags here only.
 ARGV: dict[str, list[str]] = {
-    "data": ["data", "prepare", "--target", "{target}", "--input", "builtin", "--regenerate",
+    "data": ["data", "prepare", "--target", "{target}", "--input", "{inputs}", "--regenerate",
              "--limit", "{prompts}", "--max-new-tokens", "{answer_tokens}", "--eval-fraction", "{eval_fraction}",
              "--max-len", "{max_len}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
     "vocab": ["vocab", "build", "--data", "{data}", "--size", "{draft_vocab}", "--target", "{target}",
@@ -91,7 +97,7 @@ ARGV: dict[str, list[str]] = {
               "--out", "{out}", "--force"],
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
-              "--dtype", "{dtype}", "--out", "{out}", "--force"],
+              "--tree", "{tree}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
 }
 
 
@@ -99,8 +105,9 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: ~15 min on 2 CPU cores; medium: ~45 min there (1,000 prompts, 6 epochs); "
-                   "large: more data, TTT 7, sized for a GPU")
+                   help="small: ~15 min on 2 CPU cores (700 generated prompts); medium: ~80 min there (3,600 "
+                   "generated + public prompts, 3 epochs); large: the same prompts, longer answers, 32k vocab, "
+                   "TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
     add_json_flag(p)
@@ -119,7 +126,12 @@ def stage_key(stage: str, argv: list[str], fingerprint: str) -> str:
 
 
 def fill(template: list[str], values: dict) -> list[str]:
-    return [t.format(**values) for t in template]
+    """Format each token; a token that is exactly one placeholder of a tuple value expands to its items."""
+    out: list[str] = []
+    for t in template:
+        v = values.get(t[1:-1]) if t.startswith("{") and t.endswith("}") else None
+        out += list(v) if isinstance(v, tuple) else [t.format(**values)]
+    return out
 
 
 def run_stage_cli(argv: list[str], quiet: bool) -> int:
