@@ -78,3 +78,11 @@ def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir,
     s = json.loads(stdout)
     assert s["engine"] == "sglang" and s["greedy_mismatches"] is None
     assert s["methods"]["chain"]["tokens"] > 0 and s["methods"]["tree"]["tokens"] > 0
+
+
+def test_limit_spreads_over_categories_in_file_order():
+    from eyas.stages.bench import spread
+
+    items = [(f"c{i}", "code", "x") for i in range(5)] + [("m0", "math", "x"), ("m1", "math", "x"), ("w0", "writing", "x")]
+    assert [i for i, _, _ in spread(items, 5)] == ["c0", "m0", "w0", "c1", "m1"]
+    assert spread(items, None) == items and spread(items, 50) == items

@@ -400,3 +400,25 @@ def test_template_error_is_counted(tiny_target, tmp_path, eyas_cli):
     assert code == 0, err
     s = json.loads(stdout)
     assert s["dropped"]["template_error"] == 1 and s["counts"]["train"] + s["counts"]["eval"] == 1
+
+
+def test_builtin_public_pool_is_packaged_and_disjoint_from_the_bench_sets():
+    """`--input builtin-public` reads the shipped file through the normal loader; it holds the
+    counts PUBLIC_PROMPTS.md states and none of the bench prompts (MT-bench, MBPP)."""
+    from collections import Counter
+
+    from eyas.builtin_prompts import PUBLIC
+    from eyas.formats.prompts import first_turn_key, load_prompt_files
+    from eyas.stages.data import _load_inputs
+
+    convs, stats = _load_inputs(["builtin-public", "builtin"])
+    public = [c for c in convs if c.source == "public_prompts"]
+    assert len(public) == 2474 and stats["public_prompts"].malformed == 0
+    assert set(Counter(c.category for c in public)) >= {"code", "math", "chat", "roleplay"}
+    notice = (PUBLIC.parent / "PUBLIC_PROMPTS.md").read_text()
+    rows = [r for r in (line.split("|") for line in notice.splitlines()) if len(r) > 3 and r[3].strip().isdigit()]
+    assert sum(int(r[3]) for r in rows) == 2474
+    keys = {first_turn_key(c) for c in public}
+    for name in ("FastChat__mt_bench__question.jsonl", "DeepSeek-Coder__mbpp.jsonl"):
+        if (PROMPTS / name).is_file():
+            assert not keys & {first_turn_key(c) for c in load_prompt_files([PROMPTS / name])}, name

@@ -74,3 +74,11 @@ def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
         argv = qs.fill(template, values)
         if argv[0] in known:
             parser.parse_args(argv)
+
+
+def test_tuple_values_expand_to_several_arguments():
+    argv = qs.fill(qs.ARGV["data"], {**qs.PLANS["medium"].__dict__, "target": "T", "out": "O"})
+    i = argv.index("--input")
+    assert argv[i + 1:i + 4] == ["builtin-public", "builtin", "--regenerate"]
+    assert qs.fill(qs.ARGV["data"], {**qs.PLANS["small"].__dict__, "target": "T", "out": "O"})[i + 1:i + 3] == [
+        "builtin", "--regenerate"]

@@ -94,6 +94,23 @@ def test_compact_rows_gathers_path_in_order():
     assert buf[0, 1, :4, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_kv_pool_compacts_every_layer_and_refuses_misfits():
+    pool = runtime.KVPool(2, 10)
+    layers = [runtime.PreallocLayer(10, pool, i) for i in range(2)]
+    for i, layer in enumerate(layers):
+        k = torch.arange(10.0).view(1, 1, 10, 1).repeat(1, 2, 1, 3) + 100 * i
+        layer.update(k, -k)
+    odd = runtime.PreallocLayer(10, pool, 1)
+    odd.update(torch.zeros(1, 2, 10, 3), torch.zeros(1, 2, 10, 5))  # values of another width: own buffers
+    assert [la.pooled for la in layers] == [True, True] and not odd.pooled
+    rows = torch.tensor([0, 2, 5])
+    pool.compact(4, rows, spec.rows_in_place(rows))
+    for i, layer in enumerate(layers):
+        layer.compact(4, rows)
+        assert layer.keys[0, 1, :, 0].tolist() == [100 * i + x for x in (0, 1, 2, 3, 4, 6, 9)]
+        assert layer.values[0, 0, :, 2].tolist() == [-100 * i - x for x in (0, 1, 2, 3, 4, 6, 9)]
+
+
 def test_target_tree_verify_and_compaction_match_sequential(tiny):
     """A tree forward with the 4D mask gives each node the logits of its own path, and after
     compacting the cache to one path the next forward equals a fresh forward of that path."""
@@ -113,6 +130,7 @@ def test_target_tree_verify_and_compaction_match_sequential(tiny):
     with targets.capture_aux(model, [1, 2]) as cap:
         model(seq[None])
     assert torch.allclose(feats[path], cap.aux()[0, n:], atol=1e-4)
+    assert all(layer.pooled for layer in tr.cache.layers)  # one buffer: compaction moves every layer at once
     tr.compact(n, torch.tensor(path))
     assert tr.length == n + 3
     nxt, _ = tr.forward(torch.tensor([13]), torch.tensor([n + 3]))

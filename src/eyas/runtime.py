@@ -59,19 +59,50 @@ class Timer:
 # ---------------------------------------------------------------- target KV cache
 
 
+class KVPool:
+    """The keys and values of every layer in one buffer (2L, B, h, capacity, d), so that moving
+    the accepted path into place is one gather and one copy per step instead of two per layer.
+    A layer whose shape differs from the first one's keeps buffers of its own."""
+
+    def __init__(self, n_layers: int, capacity: int):
+        self.n_layers, self.capacity = n_layers, capacity
+        self.buf: torch.Tensor | None = None
+
+    def views(self, i: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        """(keys, values) buffers of layer i inside the pool, or None when it does not fit."""
+        B, h, _, d = key_states.shape
+        if self.buf is None:
+            self.buf = key_states.new_empty(2 * self.n_layers, B, h, self.capacity, d)
+        if tuple(value_states.shape) != tuple(key_states.shape) or self.buf.shape[1:3] != (B, h) \
+                or self.buf.shape[-1] != d or self.buf.dtype != key_states.dtype:
+            return None
+        return self.buf[2 * i], self.buf[2 * i + 1]
+
+    def compact(self, start: int, rows: torch.Tensor, in_place: bool) -> None:
+        if self.buf is not None:
+            spec.compact_rows(self.buf, start, rows, in_place)
+
+
 class PreallocLayer(DynamicLayer):
     """A DynamicLayer that writes into one preallocated buffer instead of `torch.cat` per
-    step (no O(context) copy per token), and can be compacted in place."""
+    step (no O(context) copy per token), and can be compacted in place. With a `KVPool`
+    its buffers are views into the pool, which then compacts every layer at once."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, pool: KVPool | None = None, index: int = 0):
         super().__init__()
         self.capacity, self.length = capacity, 0
+        self.pool, self.index, self.pooled = pool, index, False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         B, h, _, d = key_states.shape
-        self.kbuf = key_states.new_empty(B, h, self.capacity, d)
-        self.vbuf = value_states.new_empty(B, h, self.capacity, value_states.shape[-1])
+        views = self.pool.views(self.index, key_states, value_states) if self.pool is not None else None
+        self.pooled = views is not None
+        if views is not None:
+            self.kbuf, self.vbuf = views
+        else:
+            self.kbuf = key_states.new_empty(B, h, self.capacity, d)
+            self.vbuf = value_states.new_empty(B, h, self.capacity, value_states.shape[-1])
         self.is_initialized = True
         self._view()
 
@@ -102,15 +133,18 @@ class PreallocLayer(DynamicLayer):
 
     def keep_sequences(self, batch_rows: torch.Tensor) -> None:
         """Keep only these batch rows (sequences), in this order."""
+        if self.pooled:
+            raise RuntimeError("keep_sequences on a pooled KV layer")
         if self.is_initialized:
             self.kbuf, self.vbuf = self.kbuf[batch_rows], self.vbuf[batch_rows]
             self._view()
 
-    def compact(self, start: int, rows: torch.Tensor) -> None:
-        """Keep rows start+rows (in order) at start.., drop everything after them."""
-        if self.is_initialized:
-            spec.compact_rows(self.kbuf, start, rows)
-            spec.compact_rows(self.vbuf, start, rows)
+    def compact(self, start: int, rows: torch.Tensor, in_place: bool | None = None) -> None:
+        """Keep rows start+rows (in order) at start.., drop everything after them (a pooled
+        layer's rows are moved by `KVPool.compact`)."""
+        if self.is_initialized and not self.pooled:
+            spec.compact_rows(self.kbuf, start, rows, in_place)
+            spec.compact_rows(self.vbuf, start, rows, in_place)
         self.length = start + rows.numel()
         if self.is_initialized:
             self._view()
@@ -130,7 +164,8 @@ class TargetRunner:
         self.cache: Cache | None = None
 
     def reset(self, capacity: int) -> None:
-        self.cache = Cache(layers=[PreallocLayer(capacity) for _ in range(self.n_layers)])
+        self.pool = KVPool(self.n_layers, capacity)
+        self.cache = Cache(layers=[PreallocLayer(capacity, self.pool, i) for i in range(self.n_layers)])
 
     @property
     def length(self) -> int:
@@ -153,8 +188,10 @@ class TargetRunner:
 
     def compact(self, start: int, rows: torch.Tensor) -> None:
         rows = rows.to(self.device)
+        in_place = spec.rows_in_place(rows)
+        self.pool.compact(start, rows, in_place)
         for layer in self.cache.layers:
-            layer.compact(start, rows)
+            layer.compact(start, rows, in_place)
 
 
 # ---------------------------------------------------------------- drafter with its own KV cache
@@ -181,11 +218,14 @@ class DrafterRunner:
         self.nkv, self.hd = cfg.num_key_value_heads, cfg.head_dim
         self.committed = 0
         self.length = 0
+        self.rope = None  # (cos, sin) tables by position, grown by reset()
 
     def reset(self, capacity: int) -> None:
         self.k = torch.empty(1, self.nkv, capacity, self.hd, dtype=self.dtype, device=self.device)
         self.v = torch.empty_like(self.k)
         self.committed = self.length = 0
+        if self.rope is None or self.rope[0].shape[0] < capacity:
+            self.rope = self.d.rope_table(capacity, self.dtype)
 
     def truncate(self, n: int) -> None:
         self.committed = min(self.committed, n)
@@ -216,9 +256,9 @@ class DrafterRunner:
         pos = torch.arange(start, start + T, device=self.device)
         with self.timer("drafter"):
             h = self._features(feats)[None]  # (1, T, H)
-            h = self.d.layer(h, tokens.view(1, -1).to(self.device), pos[None], self._attend(mask))
-            last = h[:, -1]
-            out = self.d.logits(last)[0], self.d.next_input(last)[0]
+            h = self.d.layer(h, tokens.view(1, -1).to(self.device), pos[None], self._attend(mask), self.rope)
+            logits, state = self.d.head(h[:, -1])
+            out = logits[0], state[0]
         self.committed = self.length
         return out
 
@@ -229,9 +269,8 @@ class DrafterRunner:
         assert mask.shape[1] == self.length + m
         with self.timer("drafter"):
             h = self.d.layer(states[:, None], tokens.view(m, 1).to(self.device), positions.view(m, 1).to(self.device),
-                             self._attend_tree(mask))
-            h = h[:, 0]
-            return self.d.logits(h), self.d.next_input(h)
+                             self._attend_tree(mask), self.rope)
+            return self.d.head(h[:, 0])
 
     def _attend_tree(self, mask: torch.Tensor):
         """Tree entries come as a batch of m rows with T=1; attend as one query block of m."""

@@ -197,9 +197,15 @@ class Eagle3Drafter(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
+    def rope_table(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, head_dim) of positions 0..n-1, for decoders that index instead of recomputing."""
+        cos, sin = self.rope_cos_sin(torch.arange(n, device=self.inv_freq.device)[None], dtype)
+        return cos[0], sin[0]
+
     def layer(self, h: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              attend: Attend) -> torch.Tensor:
-        """One drafter step: state h (B,T,H) + tokens x[t+1] (B,T) -> next pre-norm state (B,T,H)."""
+              attend: Attend, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One drafter step: state h (B,T,H) + tokens x[t+1] (B,T) -> next pre-norm state (B,T,H).
+        `rope`: (cos, sin) tables from `rope_table` to index by position_ids instead of recomputing."""
         if not self.embedding_loaded:
             raise RuntimeError("drafter embedding is still random: call load_target_embedding(target weight)")
         m = self.midlayer
@@ -207,7 +213,10 @@ class Eagle3Drafter(nn.Module):
         hn = m.hidden_norm(h)
         residual = hn if self.cfg.norm_before_residual else h
         z = torch.cat([m.input_layernorm(e), hn], dim=-1)  # (B, T, 2H), embeddings first
-        cos, sin = self.rope_cos_sin(position_ids, h.dtype)
+        if rope is None:
+            cos, sin = self.rope_cos_sin(position_ids, h.dtype)
+        else:
+            cos, sin = rope[0][position_ids], rope[1][position_ids]
         q, k, v = m.self_attn.qkv(z, cos, sin)
         o = attend(q, k, v)  # (B, nh, T, hd)
         B, _, T, _ = o.shape
@@ -222,6 +231,11 @@ class Eagle3Drafter(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(B, T, H) -> (B, T, N) logits over the draft vocabulary."""
         return self.lm_head(self.norm(h))
+
+    def head(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits(h)` and `next_input(h)` together, with the final norm computed once."""
+        hn = self.norm(h)
+        return self.lm_head(hn), (hn if self.cfg.norm_output else h)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft ids -> target ids with the offset convention `target = i + d2t[i]` (DESIGN 4)."""

@@ -81,10 +81,13 @@ def chain_tree(root: int, drafts: torch.Tensor) -> Tree:
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """(T, T) bool: [i, j] true iff j is i or an ancestor of i. Parents precede children."""
-    T = parents.shape[0]
-    allow = torch.eye(T, dtype=torch.bool)
-    for i in range(1, T):  # T is a few dozen at most: one row copy per node
-        allow[i] |= allow[int(parents[i])]
+    par = parents.tolist()
+    rows: list[list[int]] = []
+    for i, p in enumerate(par):  # T is a few dozen at most: plain Python beats T small tensor ops
+        rows.append((rows[p] if p >= 0 else []) + [i])
+    allow = torch.zeros(len(par), len(par), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        allow[i, r] = True
     return allow
 
 
@@ -131,7 +134,8 @@ def draft_tree(model: DraftModel, root_token: int, root_logits: torch.Tensor, ro
     dev = root_logits.device
     logp = torch.log_softmax(root_logits.float(), -1)
     score, ids = logp.topk(min(topk, logp.shape[-1]))  # (k,)
-    cand_tok = [model.target_ids[ids]]
+    front_tok, front_score = model.target_ids[ids], score  # the frontier's tokens and scores
+    cand_tok = [front_tok]
     cand_score, cand_parent, cand_depth = [score], [torch.full_like(ids, -1)], [torch.ones_like(ids)]
     front = torch.arange(ids.shape[0], device=dev)  # candidate indices of the frontier
     front_state = root_state.expand(ids.shape[0], -1)
@@ -143,21 +147,21 @@ def draft_tree(model: DraftModel, root_token: int, root_logits: torch.Tensor, ro
         allow = torch.zeros(m, R + m, dtype=torch.bool, device=dev)
         if front_rows is not None:
             allow[:, :R] = front_rows
-        allow[:, R:] = torch.eye(m, dtype=torch.bool, device=dev)
-        toks = torch.cat(cand_tok)[front]
+        allow[:, R:].fill_diagonal_(True)
         pos = torch.full((m,), n - 1 + d, dtype=torch.long, device=dev)
-        logits, states = model.step(front_state, toks, pos, allow)
+        logits, states = model.step(front_state, front_tok, pos, allow)
         logp = torch.log_softmax(logits.float(), -1)  # (m, N)
         s, i = logp.topk(min(topk, logp.shape[-1]), dim=-1)  # (m, k)
-        s = s + torch.cat(cand_score)[front][:, None]
-        kk = s.shape[1]
-        cand_tok.append(model.target_ids[i.reshape(-1)])
-        cand_score.append(s.reshape(-1))
+        s = (s + front_score[:, None]).reshape(-1)
+        kk = i.shape[1]
+        tok = model.target_ids[i.reshape(-1)]
+        cand_tok.append(tok)
+        cand_score.append(s)
         cand_parent.append(front.repeat_interleave(kk))
         cand_depth.append(torch.full((m * kk,), d + 1, dtype=torch.long, device=dev))
-        best = s.reshape(-1).topk(min(topk, m * kk)).indices  # next frontier, local to this level
-        front_rows = allow[best // kk]
-        front_state = states[best // kk]
+        front_score, best = s.topk(min(topk, m * kk))  # next frontier, local to this level
+        parent = best // kk
+        front_rows, front_state, front_tok = allow[parent], states[parent], tok[best]
         front = offset + best
         offset += m * kk
         R += m
@@ -278,8 +282,16 @@ def draft_distribution(draft_logits: torch.Tensor, target_ids: torch.Tensor, voc
 # ---------------------------------------------------------------- KV compaction
 
 
-def compact_rows(buf: torch.Tensor, start: int, rows: torch.Tensor) -> None:
-    """Move rows start+rows[j] to start+j along dim -2 (the accepted path after `start`)."""
-    if rows.numel() and not bool((rows == torch.arange(rows.numel(), device=rows.device)).all()):
+def rows_in_place(rows: torch.Tensor) -> bool:
+    """True when the kept rows are 0..k-1 already (a chain's accepted path): nothing to move."""
+    return bool((rows == torch.arange(rows.numel(), device=rows.device)).all())
+
+
+def compact_rows(buf: torch.Tensor, start: int, rows: torch.Tensor, in_place: bool | None = None) -> None:
+    """Move rows start+rows[j] to start+j along dim -2 (the accepted path after `start`).
+    `in_place`: `rows_in_place(rows)` when the caller already knows it (one test per step, not per layer)."""
+    if in_place is None:
+        in_place = rows_in_place(rows)
+    if rows.numel() and not in_place:
         src = buf.index_select(-2, rows.to(buf.device) + start)
         buf[..., start:start + rows.numel(), :] = src

@@ -54,7 +54,7 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's). On a shared CPU, 1 avoids "
                    "OpenMP stalls that slow multi-token forwards by 10-100x")
-    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--limit", type=int, help="use N prompts, taken round-robin across categories in file order")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-report", help="report directory")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -87,10 +87,24 @@ def load_prompts(args, tok) -> list[dict]:
         from eyas.formats.prompts import load_prompt_files
 
         items = [(c.id, c.category, (c.user_turns or [""])[0]) for c in load_prompt_files([Path(p) for p in args.prompts])]
-    items = [it for it in items if it[2].strip()][: args.limit or None]
+    items = spread([it for it in items if it[2].strip()], args.limit)
     if not items:
         raise EyasError(f"--prompts {' '.join(args.prompts)}: no prompt with a user turn")
     return [{"id": i, "category": c, "ids": render(tok, text, args.max_prompt_tokens)} for i, c, text in items]
+
+
+def spread(items: list[tuple], limit: int | None) -> list[tuple]:
+    """The first `limit` items taken round-robin across categories (item[1]), each category in
+    file order, so a limited bench covers every category instead of the file's first one."""
+    if not limit or limit >= len(items):
+        return items
+    groups: dict[str, list[tuple]] = {}
+    for it in items:
+        groups.setdefault(it[1], []).append(it)
+    out: list[tuple] = []
+    for row in range(max(len(g) for g in groups.values())):
+        out += [g[row] for g in groups.values() if row < len(g)]
+    return out[:limit]
 
 
 def _first_user(messages: list[dict]) -> str:
