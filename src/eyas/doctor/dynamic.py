@@ -187,7 +187,8 @@ def measure(drafter: Eagle3Drafter, path: Path_, seqs: list[Sequence], steps: in
         for i in range(steps):
             inp, pos = step_inputs(s.ids, i)
             out = drafter.layer(h, inp, pos, attend)  # (1, T, H)
-            top = tgt_ids[drafter.logits(out)[0].float().topk(kmax, dim=-1).indices]  # (T, kmax)
+            logits, h = drafter.head(out)  # h: the next step's input state
+            top = tgt_ids[logits[0].float().topk(kmax, dim=-1).indices]  # (T, kmax)
             lab = shift_left(s.labels, 1 + i, pad=-1)[0]
             ok = shift_left(s.valid.long(), 1 + i, pad=0)[0].bool()
             right1 = top[:, 0] == lab
@@ -199,7 +200,6 @@ def measure(drafter: Eagle3Drafter, path: Path_, seqs: list[Sequence], steps: in
                 alive[i, j] += chains[j].sum()
                 chains[j] = chains[j] & rk
                 hit[i, j] += chains[j].sum()
-            h = drafter.next_input(out)
     cond = (hit / alive.clamp(min=1))  # (steps, len(TOPK)) conditional acceptance
     res = {"step0_acc": float(acc[0] / n0[0].clamp(min=1)), "acc": (acc / n0.clamp(min=1)).tolist(),
            "positions": int(n0[0]), "cond_accept": {str(k): cond[:, j].tolist() for j, k in enumerate(TOPK)}}
