@@ -67,6 +67,9 @@ def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, 
     code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--tree", "x",
                             "--out", tmp_path / "d")
     assert code == 2 and "--tree" in err
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", "builtin-evl", "--out", tmp_path / "e")
+    assert code == 2 and err.count("\n") == 1 and "--prompts builtin-evl: unknown file type" in err
+    assert "`builtin-eval`" in err and "--input" not in err
 
 
 def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir, prompt_file, tmp_path):

@@ -202,6 +202,56 @@ def test_regenerate_greedy_is_deterministic_and_stale_work_ignored(tiny_target, 
     assert (a / "train.jsonl").read_bytes() == (b / "train.jsonl").read_bytes()
 
 
+def test_self_prompts_are_written_by_the_target_answered_and_resumable(tiny_target, tmp_path, eyas_cli,
+                                                                       monkeypatch, tiny_tokenizer):
+    """--self-prompts: the target samples N distinct user prompts from its template's opening of
+    a user turn, answers them like any other prompt, and a run killed while writing them
+    resumes to the same bytes."""
+    import eyas.regenerate as regen
+
+    args = ("--limit", "2", "--self-prompts", "6", "--seed", "3", "--batch-size", "16")
+    ref = tmp_path / "ref"
+    code, stdout, err = _regen(eyas_cli, tiny_target, ["builtin"], ref, *args, "--json")
+    assert code == 0, err
+    info = json.loads(stdout)["regeneration"]["self_prompts"]
+    assert info["asked"] == info["written"] == 6 and info["batches_generated"] >= 2
+    samples = read_samples(ref, "train") + read_samples(ref, "eval")
+    mine = [s for s in samples if s.source == "self"]
+    assert len(mine) == 6 and len(samples) == 8
+    firsts = [s.messages[0]["content"] for s in mine]
+    assert len(set(firsts)) == 6 and all(len(f.split()) >= 3 for f in firsts)
+    for s in mine:
+        assert s.category == "chat" and [m["role"] for m in s.messages] == ["user", "assistant"]
+        assert _masked_text(tiny_tokenizer, s.input_ids, s.loss_mask) == _expected(tiny_tokenizer, s.messages)
+    src = {x["name"]: x for x in read_manifest(ref)["sources"]}
+    assert src["self"]["kept"] == 6
+
+    opening = tiny_tokenizer.decode(regen.user_turn_opening(tiny_tokenizer))
+    empty_turn = tiny_tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False)
+    assert empty_turn.startswith(opening) and len(opening) < len(empty_turn)
+
+    calls = {"n": 0}
+    real = regen.decode_batch
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # killed while writing the second batch of prompts
+        return real(*a, **k)
+
+    monkeypatch.setattr(regen, "decode_batch", flaky)
+    out = tmp_path / "run"
+    assert _regen(eyas_cli, tiny_target, ["builtin"], out, *args)[0] == 130 and not out.exists()
+    assert len((tmp_path / "run.self.partial" / "batches.jsonl").read_text().splitlines()) == 1
+    monkeypatch.setattr(regen, "decode_batch", real)
+    code, stdout, err = _regen(eyas_cli, tiny_target, ["builtin"], out, *args, "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["regeneration"]["self_prompts"]["batches_reused"] == 1
+    for name in ("train.jsonl", "eval.jsonl"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes()
+    assert not (tmp_path / "run.self.partial").exists() and not (tmp_path / "run.partial").exists()
+
+
 def test_gqa_attention_equals_eager():
     """The broadcast grouped-query attention used for batched decoding equals transformers'
     eager attention (which copies each KV head to its query heads), with a padding mask."""
@@ -280,6 +330,8 @@ BAD = [
     (["--dtype", "fp8"], "--dtype"),
     (["--device", "tpu:x"], "--device"),
     (["--max-len", "abc"], "--max-len"),
+    (["--self-prompts", "5"], "--self-prompts only applies to --regenerate"),
+    (["--regenerate", "--self-prompts", "-1"], "--self-prompts"),
 ]
 
 
@@ -290,6 +342,21 @@ def test_bad_flags(tiny_target, qa_file, tmp_path, cli, extra, needle):
     assert code == 2 and needle in err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_no_prompts_at_all(tiny_target, tmp_path, cli):
+    code, _, err = cli("data", "prepare", "--target", tiny_target, "--out", tmp_path / "o", "--regenerate")
+    assert code == 2 and "--self-prompts" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_user_turn_opening_smollm2(real_tokenizer):
+    """On the real template the sampled prompt starts right after the default system prompt and
+    the user header, where a user's own text would."""
+    from eyas.regenerate import user_turn_opening
+
+    text = real_tokenizer.decode(user_turn_opening(real_tokenizer))
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\n")
 
 
 def _bad_input(tmp_path, name, text):
@@ -311,6 +378,9 @@ def test_bad_inputs(tiny_target, tmp_path, eyas_cli, name, text, needle):
     out = tmp_path / "o"
     code, _, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", f, "--out", out)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+    assert f"error: --input {f}: " in err, err
+    if needle in ("no such file", "unknown file type"):  # a mistyped keyword: the message lists them
+        assert "`builtin-public`" in err
     assert not out.exists()
 
 

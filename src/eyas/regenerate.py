@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.formats.prompts import Conversation
+from eyas.errors import EyasError
+from eyas.formats.prompts import Conversation, dedup_key
 
 log = logging.getLogger(__name__)
 WORK_VERSION = 2
@@ -303,6 +304,70 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     for b in range(n_batches):
         for i, ans in zip(order[b * B:(b + 1) * B], work.done[b]["answers"]):
             out[i] = _with_answers(convs[i], ans)
+    return out, stats
+
+
+SELF_SOURCE = "self"
+SELF_SETTINGS = GenSettings(max_new_tokens=128, batch_size=64, temperature=0.9)
+
+
+def user_turn_opening(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where the text of a first user message begins
+    (with the template's default system prompt, if it has one)."""
+    mark = "\x00eyas-user\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
+    if mark not in text:
+        raise EyasError("the target's chat template does not show the user's message verbatim; "
+                        "--self-prompts cannot find where a user turn starts")
+    return tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"]
+
+
+def write_prompts(model, tokenizer, n: int, settings: GenSettings, work_dir: Path, fingerprint: str,
+                  stop_ids: list[int], taken: set[str], progress: bool = True) -> tuple[list[Conversation], GenStats]:
+    """`n` first-turn prompts the target writes itself, the Magpie recipe (Xu et al., 2024):
+    sample from the chat template's opening of a user turn, so the prompts follow the target's
+    own idea of a user, in its chat style. A sample counts when it ends with an end-of-turn
+    token within `settings.max_new_tokens`, has at least 3 words and is new (de-dup key not in
+    `taken` nor among earlier samples). Batch b samples with seed `settings.seed * 1_000_003 + b`
+    and is appended to `work_dir`'s work file, so a rerun reuses it and writes the same prompts.
+    Fewer than `n` come back only if 4x the needed batches could not find them."""
+    from tqdm.auto import tqdm
+
+    opening = user_turn_opening(tokenizer)
+    key = hashlib.sha256(json.dumps([WORK_VERSION, "self", fingerprint, asdict(settings), n, opening]).encode())
+    work = WorkFile(work_dir, key.hexdigest())
+    stats, seen, out = GenStats(), set(taken), []
+    B = settings.batch_size
+    max_batches = 4 * -(-n // B) + 4
+    bar = tqdm(total=n, desc="write prompts", unit="prompt", disable=not progress, dynamic_ncols=True)
+    try:
+        for b in range(max_batches):
+            if len(out) >= n:
+                break
+            if b in work.done:
+                texts = work.done[b]["texts"]
+                stats.batches_reused += 1
+            else:
+                torch.manual_seed(settings.seed * 1_000_003 + b)
+                t0 = time.perf_counter()
+                rows = decode_batch(model, [opening] * B, settings.max_new_tokens, stop_ids, settings.temperature)
+                stats.seconds += time.perf_counter() - t0
+                stats.new_tokens += sum(len(r) for r in rows)
+                stats.batches_done += 1
+                texts = [tokenizer.decode(r[:-1], skip_special_tokens=True).strip() if r and r[-1] in stop_ids
+                         else None for r in rows]
+                work.append({"batch": b, "texts": texts})
+            for text in texts:
+                if not text or len(text.split()) < 3 or len(out) >= n:
+                    continue
+                conv = Conversation(f"{SELF_SOURCE}:{len(out)}", SELF_SOURCE, "chat", [{"role": "user", "content": text}])
+                if dedup_key(conv) not in seen:
+                    seen.add(dedup_key(conv))
+                    out.append(conv)
+                    bar.update(1)
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
+    finally:
+        bar.close()
     return out, stats
 
 

@@ -76,7 +76,7 @@ def build_sequences(model, tok, prompts: list[list[int]], new_tokens: int) -> li
 def prompt_ids_from_files(tok, files, limit: int, max_prompt: int = 256) -> list[list[int]]:
     from eyas.formats.prompts import load_prompt_files
 
-    convs = load_prompt_files(list(files))[:limit]
+    convs = load_prompt_files(list(files), flag="--prompts")[:limit]
     out = []
     for c in convs:
         users = [t for t in c.turns if t["role"] in ("user", "system")]

@@ -107,12 +107,19 @@ class FileStats:
 # ---------------------------------------------------------------- public API
 
 
-def load_prompt_files(paths: list[Path], dedup: bool = True) -> list[Conversation]:
-    """Load and de-duplicate prompt files (see the module docstring for the mapping)."""
-    return load_prompt_files_with_stats(paths, dedup=dedup)[0]
+class NotAPromptFile(EyasError):
+    """The path does not exist or has no prompt-file suffix (the user may have meant a keyword)."""
 
 
-def load_prompt_files_with_stats(paths: list[Path], dedup: bool = True) -> tuple[list[Conversation], dict[str, FileStats]]:
+def load_prompt_files(paths: list[Path], dedup: bool = True, flag: str = "--input",
+                      keywords: tuple[str, ...] = ()) -> list[Conversation]:
+    """Load and de-duplicate prompt files (see the module docstring for the mapping). Errors
+    name the file after `flag`; a missing or non-prompt file also lists the caller's `keywords`."""
+    return load_prompt_files_with_stats(paths, dedup, flag, keywords)[0]
+
+
+def load_prompt_files_with_stats(paths: list[Path], dedup: bool = True, flag: str = "--input",
+                                 keywords: tuple[str, ...] = ()) -> tuple[list[Conversation], dict[str, FileStats]]:
     """Like `load_prompt_files`, plus per-source statistics keyed by source name."""
     convs: list[Conversation] = []
     stats: dict[str, FileStats] = {}
@@ -120,7 +127,14 @@ def load_prompt_files_with_stats(paths: list[Path], dedup: bool = True) -> tuple
     for path in paths:
         source = _unique_source(source_name(Path(path)), stats)
         st = stats[source] = FileStats(path=str(path), source=source)
-        _admit(convs, seen, st, load_file(Path(path), source, st), dedup)
+        try:
+            new = load_file(Path(path), source, st)
+        except NotAPromptFile as e:
+            more = ", or " + " or ".join(f"`{k}`" for k in keywords) if keywords else ""
+            raise EyasError(f"{flag} {e}{more}") from None
+        except EyasError as e:
+            raise EyasError(f"{flag} {e}") from None
+        _admit(convs, seen, st, new, dedup)
     return convs, stats
 
 
@@ -191,38 +205,38 @@ def _unique_source(name: str, stats: dict) -> str:
 
 def _read_text(path: Path) -> str:
     if not path.is_file():
-        raise EyasError(f"--input {path}: no such file; pass an existing prompt file or `builtin`")
+        raise NotAPromptFile(f"{path}: no such file; pass an existing prompt file")
     try:
         data = path.read_bytes()
         if path.name.endswith(".gz"):
             data = gzip.decompress(data)
         return data.decode("utf-8-sig")
     except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise EyasError(f"--input {path}: cannot decompress ({e}); pass a valid .gz file") from e
+        raise EyasError(f"{path}: cannot decompress ({e}); pass a valid .gz file") from e
     except UnicodeDecodeError as e:
-        raise EyasError(f"--input {path}: not UTF-8 text ({e}); re-encode it as UTF-8") from e
+        raise EyasError(f"{path}: not UTF-8 text ({e}); re-encode it as UTF-8") from e
 
 
 def load_file(path: Path, source: str, st: FileStats) -> list[Conversation]:
     """All conversations in one file, in file order (no de-duplication)."""
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     if not name.endswith((".json", ".jsonl", ".txt")):
-        raise EyasError(f"--input {path}: unknown file type; use .json, .jsonl or .txt (optionally .gz)")
+        raise NotAPromptFile(f"{path}: unknown file type; use .json, .jsonl or .txt (optionally .gz)")
     text = _read_text(path)
     if not text.strip():
-        raise EyasError(f"--input {path}: the file is empty; pass a file with prompts")
+        raise EyasError(f"{path}: the file is empty; pass a file with prompts")
     if name.endswith(".txt"):
         records = _txt_chunks(text)
     elif text.lstrip().startswith("["):
         try:
             records = json.loads(text)
         except json.JSONDecodeError as e:
-            raise EyasError(f"--input {path}: corrupt JSON ({e.msg} at line {e.lineno}); fix the file "
+            raise EyasError(f"{path}: corrupt JSON ({e.msg} at line {e.lineno}); fix the file "
                             "or convert it to JSON Lines (bad lines are then skipped)") from e
     else:
         records = _jsonl_records(text, st)
         if not records:
-            raise EyasError(f"--input {path}: none of its {st.malformed} lines is valid JSON; "
+            raise EyasError(f"{path}: none of its {st.malformed} lines is valid JSON; "
                             "pass a JSON array or JSON Lines file")
     return _to_conversations(path, source, records, st)
 
@@ -286,7 +300,7 @@ def _to_conversations(path: Path, source: str, records, st: FileStats) -> list[C
     if isinstance(records, dict):
         records = [records]
     if not isinstance(records, list):
-        raise EyasError(f"--input {path}: expected a JSON array of records; got {type(records).__name__}")
+        raise EyasError(f"{path}: expected a JSON array of records; got {type(records).__name__}")
     default_cat = file_category(source)
     out, unknown_keys = [], Counter()
     for i, rec in enumerate(records):
@@ -307,10 +321,10 @@ def _to_conversations(path: Path, source: str, records, st: FileStats) -> list[C
                                 turns=turns))
     if not st.schemas:
         keys = ", ".join(k for k, _ in unknown_keys.most_common(8)) or "none"
-        raise EyasError(f"--input {path}: unknown schema (keys: {keys}); supported: {', '.join(SCHEMAS)} "
+        raise EyasError(f"{path}: unknown schema (keys: {keys}); supported: {', '.join(SCHEMAS)} "
                         "(see `eyas data prepare --help`)")
     if not out:
-        raise EyasError(f"--input {path}: no record has a user prompt; pass a file with prompts")
+        raise EyasError(f"{path}: no record has a user prompt; pass a file with prompts")
     return out
 
 

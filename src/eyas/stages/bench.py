@@ -86,7 +86,8 @@ def load_prompts(args, tok) -> list[dict]:
     else:
         from eyas.formats.prompts import load_prompt_files
 
-        items = [(c.id, c.category, (c.user_turns or [""])[0]) for c in load_prompt_files([Path(p) for p in args.prompts])]
+        convs = load_prompt_files([Path(p) for p in args.prompts], flag="--prompts", keywords=("builtin-eval",))
+        items = [(c.id, c.category, (c.user_turns or [""])[0]) for c in convs]
     items = spread([it for it in items if it[2].strip()], args.limit)
     if not items:
         raise EyasError(f"--prompts {' '.join(args.prompts)}: no prompt with a user turn")

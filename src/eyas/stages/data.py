@@ -41,6 +41,7 @@ input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each option
   public    --input builtin-public           2,474 real public prompts shipped with eyas (MIT / Apache-2.0:
                                              GPTeacher, GSM8K, SVAMP, arena-hard, Open-Assistant,
                                              self-instruct; see eyas/data/PUBLIC_PROMPTS.md); --regenerate
+  self      --self-prompts N (--regenerate)  N first-turn prompts the target writes itself (category chat)
 
 Records without an answer are dropped unless --regenerate (then the target writes every
 assistant turn, turn by turn). Duplicates (lowercased letters+digits of the user turns) are
@@ -62,9 +63,14 @@ def register(sub) -> None:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     q.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory "
                    "(default %(default)s)")
-    q.add_argument("--input", nargs="+", required=True, metavar="FILE",
+    q.add_argument("--input", nargs="+", default=[], metavar="FILE",
                    help="prompt files (.json/.jsonl/.txt, optionally .gz), `builtin` (generated prompts) "
                    "and/or `builtin-public` (public prompts shipped with eyas)")
+    q.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="with --regenerate: the target also writes N first-turn prompts itself (Magpie: "
+                   "sampled at temperature 0.9 from its chat template's opening of a user turn, kept when "
+                   "they end within 128 tokens, new and 3+ words), then answers them like the others; "
+                   "chat-style data without a dataset (default 0)")
     q.add_argument("--out", required=True, type=Path, help="output directory")
     q.add_argument("--max-len", type=int, default=2048, help="truncate samples to N tokens (default 2048)")
     q.add_argument("--exclude", nargs="+", metavar="FILE", default=[],
@@ -90,6 +96,14 @@ def register(sub) -> None:
 
 
 def _check_args(args) -> None:
+    if not args.input and not args.self_prompts:
+        raise EyasError("no prompts: pass --input FILE... (or `builtin`, `builtin-public`) and/or "
+                        "--self-prompts N with --regenerate")
+    if args.self_prompts < 0:
+        raise EyasError(f"--self-prompts {args.self_prompts}: must be >= 0, e.g. 2000")
+    if args.self_prompts and not args.regenerate:
+        raise EyasError("--self-prompts only applies to --regenerate (the target answers the prompts it "
+                        "writes); add --regenerate")
     if args.max_len <= 0:
         raise EyasError(f"--max-len {args.max_len}: must be a positive number of tokens, e.g. 2048")
     if args.limit is not None and args.limit <= 0:
@@ -143,10 +157,10 @@ def _load_inputs(inputs: list[str]) -> tuple[list[Conversation], dict]:
     from eyas.builtin_prompts import PUBLIC, SOURCE, builtin_prompts
 
     files = [PUBLIC if x == "builtin-public" else Path(x) for x in inputs if x != "builtin"]
-    convs, stats = fprompts.load_prompt_files_with_stats(files)
+    convs, stats = fprompts.load_prompt_files_with_stats(files, keywords=("builtin", "builtin-public"))
     if "builtin" in inputs:
         fprompts.add_conversations(convs, builtin_prompts(), stats, SOURCE)
-    if not convs:
+    if inputs and not convs:
         raise EyasError(f"--input {' '.join(inputs)}: no prompts found; pass files with prompts, `builtin` "
                         "or `builtin-public`")
     return convs, stats
@@ -171,11 +185,15 @@ def _prompt_len(tok, conv: Conversation) -> int:
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _regenerate(args, path: Path, convs: list[Conversation], drops: Counter) -> tuple[list[Conversation], dict]:
+def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: set[str],
+                drops: Counter) -> tuple[list[Conversation], dict]:
     from eyas.regenerate import GenSettings, _max_positions, regenerate
 
     model, tok = targets.load(path, dtype=args.dtype, device=args.device)
     _check_template(tok, path)
+    self_info = None
+    if args.self_prompts:
+        convs, self_info = _self_prompts(args, path, model, tok, convs, stats, held)
     room = min(args.max_len, _max_positions(model) - args.max_new_tokens)
     keep = []
     for c in convs:
@@ -194,13 +212,37 @@ def _regenerate(args, path: Path, convs: list[Conversation], drops: Counter) -> 
             "temperature": args.temperature, "seed": args.seed, "dtype": args.dtype, "device": args.device,
             "new_tokens": st.new_tokens, "seconds": round(st.seconds, 2),
             "tokens_per_s": round(st.tokens_per_s, 2), "batches_generated": st.batches_done,
-            "batches_reused": st.batches_reused, "turns_cut_for_context": st.cut_turns}
+            "batches_reused": st.batches_reused, "turns_cut_for_context": st.cut_turns,
+            "self_prompts": self_info}
     return out, info
 
 
-def _work_dir(out: Path) -> Path:
+def _self_prompts(args, path: Path, model, tok, convs: list[Conversation], stats: dict,
+                  held: set[str]) -> tuple[list[Conversation], dict]:
+    """Add `--self-prompts` prompts written by the target (distinct from the loaded ones and
+    from --exclude's) to `convs`, as source `self`."""
+    from dataclasses import replace
+
+    from eyas.regenerate import SELF_SETTINGS, SELF_SOURCE, write_prompts
+
+    settings = replace(SELF_SETTINGS, batch_size=args.batch_size, seed=args.seed)
+    taken = {fprompts.dedup_key(c) for c in convs} | held
+    new, st = write_prompts(model, tok, args.self_prompts, settings, _work_dir(args.out, "self"),
+                            targets.fingerprint(path), fdata.end_of_turn_ids(tok), taken,
+                            progress=os.environ.get("EYAS_NO_PROGRESS") != "1")
+    if len(new) < args.self_prompts:
+        log.warning("--self-prompts %d: the target wrote only %d distinct usable prompts", args.self_prompts, len(new))
+    convs = list(convs)
+    fprompts.add_conversations(convs, new, stats, SELF_SOURCE)
+    return convs, {"asked": args.self_prompts, "written": len(new), "temperature": settings.temperature,
+                   "max_new_tokens": settings.max_new_tokens, "new_tokens": st.new_tokens,
+                   "seconds": round(st.seconds, 2), "batches_generated": st.batches_done,
+                   "batches_reused": st.batches_reused}
+
+
+def _work_dir(out: Path, part: str = "") -> Path:
     out = Path(out)
-    return out.with_name(out.name + ".partial")
+    return out.with_name(out.name + (f".{part}" if part else "") + ".partial")
 
 
 def _render(tok, convs: list[Conversation], max_len: int, drops: Counter) -> list[fdata.Sample]:
@@ -233,22 +275,20 @@ def run_prepare(args) -> int:
     convs, stats = _load_inputs(args.input)
     n_loaded = len(convs)
     drops: Counter = Counter()
+    held: set[str] = set()
     if args.exclude:
-        try:
-            held = {fprompts.first_turn_key(c) for c in fprompts.load_prompt_files([Path(x) for x in args.exclude],
-                                                                                  dedup=False)}
-        except EyasError as e:
-            raise EyasError(str(e).replace("--input", "--exclude", 1)) from e
+        held = {fprompts.first_turn_key(c)
+                for c in fprompts.load_prompt_files([Path(x) for x in args.exclude], dedup=False, flag="--exclude")}
         kept = [c for c in convs if fprompts.first_turn_key(c) not in held]
         drops["excluded"] = len(convs) - len(kept)
         convs = kept
-        if not convs:
+        if not convs and not args.self_prompts:
             raise EyasError(f"--exclude {' '.join(args.exclude)}: it holds every prompt of --input; nothing left")
     if args.limit is not None:
         convs = convs[: args.limit]
     gen_info = None
     if args.regenerate:
-        convs, gen_info = _regenerate(args, path, convs, drops)
+        convs, gen_info = _regenerate(args, path, convs, stats, held, drops)
     trimmed = []
     for c in convs:
         t = _trim(c)
@@ -260,7 +300,8 @@ def run_prepare(args) -> int:
     if not samples:
         hint = ("they have no assistant answers; pass --regenerate to let the target write them"
                 if drops["no_answer"] else "see the dropped counts with --json")
-        raise EyasError(f"--input {' '.join(args.input)}: no trainable samples ({dict(drops)}); {hint}")
+        what = " ".join(["--input", *args.input] if args.input else []) or f"--self-prompts {args.self_prompts}"
+        raise EyasError(f"{what}: no trainable samples ({dict(drops)}); {hint}")
     splits: dict[str, list] = {"train": [], "eval": []}
     for s in samples:
         splits[fdata.split_of(s.id, args.eval_fraction)].append(s)
@@ -269,6 +310,7 @@ def run_prepare(args) -> int:
     with atomic_dir(args.out, force=args.force) as tmp:
         fdata.write_prepared(tmp, manifest, splits)
     shutil.rmtree(_work_dir(args.out), ignore_errors=True)
+    shutil.rmtree(_work_dir(args.out, "self"), ignore_errors=True)
     emit(args, summary, _human(summary))
     return 0
 
