@@ -300,7 +300,7 @@ def run_prepare(args) -> int:
     if not samples:
         hint = ("they have no assistant answers; pass --regenerate to let the target write them"
                 if drops["no_answer"] else "see the dropped counts with --json")
-        what = " ".join(["--input", *args.input] if args.input else []) or f"--self-prompts {args.self_prompts}"
+        what = f"--input {' '.join(args.input)}" if args.input else f"--self-prompts {args.self_prompts}"
         raise EyasError(f"{what}: no trainable samples ({dict(drops)}); {hint}")
     splits: dict[str, list] = {"train": [], "eval": []}
     for s in samples:
