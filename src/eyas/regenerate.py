@@ -105,6 +105,12 @@ class WorkFile:
         self.done[rec["batch"]] = rec
 
 
+def seed_batch(settings: GenSettings, b: int) -> None:
+    """Seed torch's global RNG for batch b alone, so a resumed run samples what an
+    uninterrupted one would."""
+    torch.manual_seed(settings.seed * 1_000_003 + b)
+
+
 def _max_positions(model) -> int:
     cfg = getattr(model, "config", None)
     get = getattr(cfg, "get_text_config", None)
@@ -290,7 +296,7 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
                 stats.batches_reused += 1
                 bar.update(1)
                 continue
-            torch.manual_seed(settings.seed * 1_000_003 + b)  # per batch: resume == uninterrupted
+            seed_batch(settings, b)
             t0 = time.perf_counter()
             answers = _run_batch(model, tokenizer, batch, settings, stop_ids, limit, stats)
             stats.seconds += time.perf_counter() - t0
@@ -328,8 +334,8 @@ def write_prompts(model, tokenizer, n: int, settings: GenSettings, work_dir: Pat
     sample from the chat template's opening of a user turn, so the prompts follow the target's
     own idea of a user, in its chat style. A sample counts when it ends with an end-of-turn
     token within `settings.max_new_tokens`, has at least 3 words and is new (de-dup key not in
-    `taken` nor among earlier samples). Batch b samples with seed `settings.seed * 1_000_003 + b`
-    and is appended to `work_dir`'s work file, so a rerun reuses it and writes the same prompts.
+    `taken` nor among earlier samples). Batch b is seeded by `seed_batch` and appended to
+    `work_dir`'s work file, so a rerun reuses it and writes the same prompts.
     Fewer than `n` come back only if 4x the needed batches could not find them."""
     from tqdm.auto import tqdm
 
@@ -348,7 +354,7 @@ def write_prompts(model, tokenizer, n: int, settings: GenSettings, work_dir: Pat
                 texts = work.done[b]["texts"]
                 stats.batches_reused += 1
             else:
-                torch.manual_seed(settings.seed * 1_000_003 + b)
+                seed_batch(settings, b)
                 t0 = time.perf_counter()
                 rows = decode_batch(model, [opening] * B, settings.max_new_tokens, stop_ids, settings.temperature)
                 stats.seconds += time.perf_counter() - t0
@@ -361,8 +367,9 @@ def write_prompts(model, tokenizer, n: int, settings: GenSettings, work_dir: Pat
                 if not text or len(text.split()) < 3 or len(out) >= n:
                     continue
                 conv = Conversation(f"{SELF_SOURCE}:{len(out)}", SELF_SOURCE, "chat", [{"role": "user", "content": text}])
-                if dedup_key(conv) not in seen:
-                    seen.add(dedup_key(conv))
+                key = dedup_key(conv)
+                if key not in seen:
+                    seen.add(key)
                     out.append(conv)
                     bar.update(1)
             bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
