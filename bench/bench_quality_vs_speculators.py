@@ -84,7 +84,8 @@ def train_plan(a, epochs: int):
     readers = [CaptureReader(c) for c in a.capture]
     src = training.TensorSource({"train": training.CaptureSplit(readers, "train")}, a.max_len)
     lengths = src.lengths("train")
-    plan = [b for e in range(epochs) for b in training.plan_batches(lengths, a.batch_tokens, 0, e)]
+    shapes = [training.shape_length(n) for n in lengths]  # `eyas train` plans on padded shapes
+    plan = [b for e in range(epochs) for b in training.plan_batches(shapes, a.batch_tokens, 0, e)]
     return readers, src, lengths, plan[: a.max_steps] if a.max_steps is not None else plan
 
 
@@ -186,7 +187,9 @@ def eyas_real_throughput(a) -> dict:
     """eyas's progress bar counts padded batch tokens; recompute with real tokens (as counted
     for speculators: every sample's length minus the one shifted off) over the same loop time."""
     _, _, lengths, plan = train_plan(a, a.eyas_epochs)
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in plan)
+    from eyas.training import shape_length
+
+    padded = sum(len(b) * shape_length(max(lengths[i] for i in b)) for b in plan)
     real = sum(lengths[i] - 1 for b in plan for i in b)
     train_rows = [json.loads(l) for l in (a.out / "eyas" / "metrics.jsonl").read_text().splitlines() if l.strip()]
     tps = [r["tokens_per_s"] for r in train_rows if r.get("kind") == "train" and "tokens_per_s" in r][-1]
