@@ -184,17 +184,15 @@ def own_eval(model, readers, a, loss_cfg, ac) -> dict:
 
 
 def eyas_real_throughput(a) -> dict:
-    """eyas's progress bar counts padded batch tokens; recompute with real tokens (as counted
-    for speculators: every sample's length minus the one shifted off) over the same loop time."""
+    """eyas's tokens/s counts each sample's (max-len-capped) length; speculators' count drops
+    the one token shifted off per sample. Recount eyas's tokens that way over the same loop time."""
     _, _, lengths, plan = train_plan(a, a.eyas_epochs)
-    from eyas.training import shape_length
-
-    padded = sum(len(b) * shape_length(max(lengths[i] for i in b)) for b in plan)
+    counted = sum(lengths[i] for b in plan for i in b)
     real = sum(lengths[i] - 1 for b in plan for i in b)
     train_rows = [json.loads(l) for l in (a.out / "eyas" / "metrics.jsonl").read_text().splitlines() if l.strip()]
     tps = [r["tokens_per_s"] for r in train_rows if r.get("kind") == "train" and "tokens_per_s" in r][-1]
-    seconds = padded / tps
-    return {"loop_seconds": seconds, "real_tokens": real, "padded_tokens": padded, "tokens_per_s": real / seconds}
+    seconds = counted / tps
+    return {"loop_seconds": seconds, "real_tokens": real, "counted_tokens": counted, "tokens_per_s": real / seconds}
 
 
 def last_eval(run_dir: Path) -> dict:
