@@ -79,6 +79,53 @@ def test_checkpoint_round_trip_same_logits(tiny_target, tmp_path, flags):
     assert "embed_tokens.weight" not in read_tensors(tmp_path / "ck" / "model.safetensors")
 
 
+def test_aux_gain_folds_into_fc_exactly(tiny_target, tmp_path):
+    """A drafter training on aux * gain saves fc.weight * gain: the checkpoint (gain 1, the
+    layout engines serve) computes bit for bit what the training drafter computed, in fp32
+    and under bf16 autocast; set_aux_gain(keep_function=True) changes nothing either."""
+    from eyas.core.drafter import aux_gain_from_rms
+
+    model, _ = targets.load(tiny_target)
+    emb = model.get_input_embeddings().weight
+    d = make(tiny_target)
+    d.load_target_embedding(emb)
+    n = 3 * d.cfg.target_hidden_size
+    scale = torch.ones(n)
+    scale[5], scale[70], scale[150] = 1700.0, 0.3, 40.0  # SmolLM2-like outlier channels
+    aux = torch.randn(2, 6, n) * scale
+    ids, pos = torch.randint(0, 200, (2, 6)), torch.arange(6)[None].expand(2, 6)
+    gain = aux_gain_from_rms(aux.pow(2).mean((0, 1)).sqrt())
+    assert set(torch.log2(gain).tolist()) <= set(float(k) for k in range(-20, 20))  # powers of two
+    assert gain[5] == 2.0 ** -11 and gain[70] == 2.0 ** 2
+    d.set_aux_gain(gain, keep_function=False)
+    assert d.gained and not torch.equal(d.trainable_state_dict()["fc.weight"], d.fc.weight)
+
+    def out(m):
+        return m.logits(m.layer(m.fuse(aux), ids, pos, causal_attend))
+
+    want = out(d)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want16 = out(d)
+    save_checkpoint(tmp_path / "ck", d, {})
+    d2, _ = load_checkpoint(tmp_path / "ck", target_embedding=emb)
+    assert not d2.gained
+    torch.testing.assert_close(out(d2), want, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(out(d2), want16, rtol=0, atol=0)
+    d2.set_aux_gain(gain, keep_function=True)  # --init-from: same function, Adam in gained coordinates
+    torch.testing.assert_close(out(d2), want, rtol=0, atol=0)
+    torch.testing.assert_close(d2.fc.weight, d.fc.weight, rtol=0, atol=0)
+
+
+def test_aux_gain_does_not_amplify_dead_channels():
+    from eyas.core.drafter import aux_gain_from_rms
+
+    rms = torch.tensor([4.0, 4.0, 4.0, 0.0, 1e-9, 1700.0])
+    g = aux_gain_from_rms(rms)
+    assert g[:3].tolist() == [0.25] * 3 and g[5] == 2.0 ** -11
+    assert g[3] == g[4] == 16.0  # median/64 = 1/16: quiet channels get at most that gain
+
+
 def test_checkpoint_bad_inputs(tiny_target, tmp_path):
     d = make(tiny_target)
     save_checkpoint(tmp_path / "ck", d, {})

@@ -111,12 +111,36 @@ def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
     code, out, err = eyas_cli("train", "--out", tmp_path / "b", "--resume", "--json", *args)
     assert code == 0, err
     assert json.loads(out)["resumed_from"] == 4
+    state = torch.load(tmp_path / "b" / "checkpoints" / "step-6" / training.STATE_FILE, weights_only=True)
+    assert state["aux_gain"].min() > 1  # the gained path was resumed (tiny aux channels: RMS ~0.02)
     wa, wb = _weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final")
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
     steps_b = [m["step"] for m in _metrics(tmp_path / "b") if m["kind"] == "eval"]
     assert steps_b == [2, 4, 6, 7]
+
+
+def test_aux_gain_checkpoints_serve_what_training_evaluated(pipe, tmp_path, eyas_cli):
+    """Training runs fc on gained aux features (on this tiny target the aux channels have RMS
+    ~0.02, gains 32-64); its final checkpoint has the gain folded into fc.weight. Evaluating
+    that checkpoint again, as a plain drafter (--aux-gain off) and re-gained (--init-from
+    keeps its function), gives the metrics the training run computed with its own weights."""
+    base = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--ttt", "2",
+            "--json", *COMMON)
+    code, out, err = eyas_cli("train", "--out", tmp_path / "run", "--max-steps", "4", "--lr", "3e-3", *base)
+    assert code == 0, err
+    trained = json.loads(out)
+    gain = json.loads((tmp_path / "run" / "run.json").read_text())["init"]["aux_gain"]
+    assert gain["gain_min"] >= 16 and gain["tokens"] > 0
+    for mode in ("off", "rms"):
+        code, out, err = eyas_cli("train", "--out", tmp_path / mode, "--init-from", tmp_path / "run" / "final",
+                                  "--max-steps", "0", "--aux-gain", mode, *base)
+        assert code == 0, err
+        again = json.loads(out)
+        assert again["positions"] == trained["positions"]
+        assert again["loss"] == pytest.approx(trained["loss"], rel=1e-6, abs=0), mode
+        assert [again[f"acc_{i}"] for i in range(2)] == [trained[f"acc_{i}"] for i in range(2)]
 
 
 def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkeypatch):
@@ -230,17 +254,16 @@ def test_vocab_mismatch_refused_and_remap_keeps_accuracy(pipe, tmp_path, eyas_cl
 
 def test_nan_stops_with_step_named_and_keeps_last_good_checkpoint(pipe, tmp_path, eyas_cli, monkeypatch):
     real = training.TensorSource.batch
-    calls = {"n": 0}
+    done = {"step": 0}
 
     def poisoned(self, split, idxs):
         b = real(self, split, idxs)
-        if split == "train":
-            calls["n"] += 1
-            if calls["n"] == 3:
-                b.aux[0, 0, 0] = float("nan")
+        if split == "train" and done["step"] == 2:  # the batch of step 3
+            b.aux[0, 0, 0] = float("nan")
         return b
 
     monkeypatch.setattr(training.TensorSource, "batch", poisoned)
+    monkeypatch.setattr(training, "STEP_HOOKS", [lambda step: done.update(step=step)])
     run = tmp_path / "run"
     code, out, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
                               "--out", run, "--ttt", "2", "--max-steps", "5", "--eval-every", "2",

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "train_state.pt"
 # Settings a resumed run must share with the original for the result to be the same run.
 RESUME_MUST_MATCH = ("ttt", "epochs", "lr", "batch_tokens", "max_len", "seed", "dtype", "warmup_ratio", "grad_clip",
-                     "weight_decay", "max_steps")
+                     "weight_decay", "max_steps", "aux_gain")
 STEP_HOOKS: list[Callable[[int], None]] = []  # called after each optimizer step (tests inject kills)
 
 
@@ -64,6 +64,7 @@ class TrainConfig:
     log_every: int = 10
     fsdp: bool = False
     target_chunk: int = 1024
+    aux_gain: bool = True  # per-channel power-of-two gain on fc's input (core.drafter.aux_gain_from_rms)
 
 
 @dataclass
@@ -175,6 +176,47 @@ class OnlineSource:
             aux, last = cap.aux().float(), cap.last.float()
         return Batch(aux=aux, last=last, input_ids=ids, loss_mask=mask, ids=[s.id for s in samples],
                      keys=[(split, i) for i in idxs], tokens=sum(n))
+
+
+# ---------------------------------------------------------------- fc input gain
+
+
+GAIN_TOKENS = 65536  # training tokens the aux channel RMS is measured on
+
+
+@torch.no_grad()
+def aux_rms(source, max_tokens: int = GAIN_TOKENS) -> tuple[torch.Tensor, int]:
+    """Per-channel RMS of the aux features over the first training samples (index order, so
+    every rank measures the same), until `max_tokens` tokens; and the tokens counted."""
+    sq, n = None, 0
+    for i in range(len(source.lengths("train"))):
+        b = source.batch("train", [i])
+        x = b.aux[0, : b.tokens].double().cpu()  # without the padding (online: not zeros)
+        if not bool(torch.isfinite(x).all()):
+            raise EyasError(f"training sample {b.ids[0]} has non-finite aux features; find the damaged samples "
+                            "with `eyas capture validate` and recapture them")
+        sq = x.pow(2).sum(0) if sq is None else sq + x.pow(2).sum(0)
+        n += b.tokens
+        if n >= max_tokens:
+            break
+    if sq is None or n == 0:
+        raise EyasError("no training samples to measure the aux feature scale on")
+    return (sq / n).sqrt(), n
+
+
+def apply_aux_gain(drafter: Eagle3Drafter, source, keep_function: bool) -> dict:
+    """Give `drafter` the fc input gain of this data (what run.json records). `keep_function`
+    (a drafter with trained weights): fc.weight is divided by the gain, so nothing changes
+    but the coordinates Adam works in. Off for drafters that normalise fc's input themselves."""
+    from eyas.core.drafter import aux_gain_from_rms
+
+    if drafter.cfg.norm_before_fc or drafter.cfg.fc_norm:
+        return {"aux_gain": "off: the drafter normalises fc's input (norm_before_fc / fc_norm)"}
+    rms, n = aux_rms(source)
+    gain = aux_gain_from_rms(rms)
+    drafter.set_aux_gain(gain, keep_function)
+    return {"aux_gain": {"tokens": n, "rms_min": float(rms.min()), "rms_median": float(rms.median()),
+                         "rms_max": float(rms.max()), "gain_min": float(gain.min()), "gain_max": float(gain.max())}}
 
 
 # ---------------------------------------------------------------- batching
@@ -469,6 +511,7 @@ class Trainer:
             return None
         d = Eagle3Drafter(self.drafter.cfg)
         d.load_state_dict(sd)
+        d.set_aux_gain(self.drafter.aux_gain.cpu(), keep_function=False)  # folded by save_checkpoint
         d.embedding_loaded = True
         return d
 
@@ -483,7 +526,7 @@ class Trainer:
         state = {"optimizer": opt_state, "optimizer_layout": self._optimizer_layout,
                  "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch,
                  "batch_in_epoch": self.batch_in_epoch, "best": self.best, "rng": rng_state(),
-                 "config": asdict(self.cfg)}
+                 "config": asdict(self.cfg), "aux_gain": self.drafter.aux_gain.detach().cpu().clone()}
         tmp = ck / f".{STATE_FILE}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, ck / STATE_FILE)
@@ -568,7 +611,13 @@ class Trainer:
         if state["optimizer"] is not None and layout != self._optimizer_layout:
             raise EyasError(f"--resume {self.out}: {ck.name} was saved {'with' if layout == 'fqn' else 'without'} "
                             "FSDP sharding; resume with the same --fsdp setting and process count")
-        self._load_state(read_tensors(ck / "model.safetensors"), state["optimizer"])
+        weights = read_tensors(ck / "model.safetensors")
+        # model.safetensors holds fc.weight with the gain folded in; training continues on the
+        # unfolded weight (exact: the gain is a power of two). Older states had no gain.
+        gain = state.get("aux_gain", torch.ones_like(self.drafter.aux_gain.cpu()))
+        weights["fc.weight"] = weights["fc.weight"] / gain.to(weights["fc.weight"])
+        self.drafter.set_aux_gain(gain, keep_function=False)
+        self._load_state(weights, state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.batch_in_epoch, self.best = state["batch_in_epoch"], state["best"]

@@ -173,6 +173,10 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # Per-channel gain on fc's input, training only (see `aux_gain_from_rms`); folded into
+        # fc.weight by trainable_state_dict, so checkpoints and engines never see it.
+        self.register_buffer("aux_gain", torch.ones(n_aux * cfg.target_hidden_size), persistent=False)
+        self.gained = False  # aux_gain is not all ones (a flag: no device sync in fuse)
         self.embedding_loaded = False  # set by load_target_embedding; layer() refuses a random one
         inv_freq, self.attention_scaling = _rope_init(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -189,7 +193,20 @@ class Eagle3Drafter(nn.Module):
             aux = self.input_norm(aux)
         if self.cfg.fc_norm:
             aux = torch.cat([n(a) for n, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        if self.gained:
+            aux = aux * self.aux_gain.to(aux.dtype)
+        return self.fc(aux)
+
+    @torch.no_grad()
+    def set_aux_gain(self, gain: torch.Tensor, keep_function: bool) -> None:
+        """Train fc on `aux * gain` (powers of two). `keep_function`: divide fc.weight by the
+        gain so the drafter computes what it did (exact: a power-of-two scale never rounds)."""
+        gain = gain.to(self.aux_gain)
+        if keep_function:
+            self.fc.weight.div_(gain.to(self.fc.weight.dtype))
+        self.aux_gain.copy_(gain)
+        self.gained = not bool((gain == 1).all())
 
     def rope_cos_sin(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """(B, T) positions -> cos, sin of shape (B, T, head_dim)."""
@@ -250,7 +267,23 @@ class Eagle3Drafter(nn.Module):
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything a checkpoint stores: all weights and d2t/t2d, without the target's embedding."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+        sd = {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+        if self.gained:  # fc(aux * g) == (fc.weight * g)(aux): the layout every engine serves
+            sd["fc.weight"] = sd["fc.weight"] * self.aux_gain.to(sd["fc.weight"])
+        return sd
+
+
+def aux_gain_from_rms(rms: torch.Tensor) -> torch.Tensor:
+    """Per-channel gain bringing each aux channel to RMS ~1, rounded to a power of two.
+
+    Raw aux states are badly scaled for fc: on SmolLM2 one channel of the middle and top aux
+    layers has RMS ~1,700 while the median channel's is 5-14, so with a plain fc that channel
+    dominates the first steps and Adam moves every column by the same amount whatever its
+    input's scale. A fixed per-channel gain is linear, so it folds into fc.weight on save
+    (no engine change), and powers of two make folding and unfolding exact. Channels quieter
+    than 1/64 of the median get the median/64 gain (a dead channel is not amplified)."""
+    rms = rms.double().clamp(min=float(rms.double().median()) / 64).clamp(min=1e-12)
+    return torch.exp2(-torch.round(torch.log2(rms))).float()
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

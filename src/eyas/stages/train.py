@@ -79,6 +79,10 @@ def register(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
     p.add_argument("--keep-last", type=int, default=2, help="step checkpoints to keep (default 2)")
     p.add_argument("--fsdp", action="store_true", help="shard the drafter with FSDP (fully_shard) under torchrun")
+    p.add_argument("--aux-gain", default="rms", choices=("rms", "off"),
+                   help="fc input scaling: rms (default) trains fc on aux features scaled per channel to RMS ~1 "
+                   "(powers of two measured on the first 64k training tokens, folded into fc.weight in every "
+                   "checkpoint, so engines see a plain fc); off = raw features")
     p.add_argument("--force", action="store_true", help="start over in a non-empty --out")
     add_json_flag(p)
     p.set_defaults(func=run_train)
@@ -309,7 +313,9 @@ def run_train(args) -> int:
                                max_len=args.max_len, max_steps=args.max_steps, eval_every=args.eval_every,
                                seed=args.seed, dtype=args.dtype, device=str(device), warmup_ratio=args.warmup_ratio,
                                grad_clip=args.grad_clip, weight_decay=args.weight_decay, keep_last=args.keep_last,
-                               fsdp=args.fsdp)
+                               fsdp=args.fsdp, aux_gain=args.aux_gain == "rms")
+    if cfg.aux_gain:
+        init_info.update(training.apply_aux_gain(drafter, source, keep_function=bool(args.init_from)))
     _prepare_out(args, dist_)
     from eyas.formats.vocab import vocab_fingerprint
 
