@@ -234,3 +234,30 @@ def test_speculators_layout_and_imports(eyas_cli, tmp_path, prepared, tiny_targe
     code, _, err = eyas_cli("capture", "import", sf.parent, "--from", "specforge", "--target", tiny_target,
                             "--layers", "1,2", "--out", tmp_path / "imp3")
     assert code == 2 and "--layers" in err
+
+
+def test_validate_command(eyas_cli, tmp_path, prepared, tiny_target, tiny_tokenizer):
+    out = tmp_path / "cap"
+    _capture(eyas_cli, tiny_target, prepared, out, "--shard-mb", "0.1")
+    code, stdout, err = eyas_cli("capture", "validate", out, "--data", prepared, "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["samples"] == 14
+    other = make_prepared(tmp_path / "other", tiny_tokenizer, tiny_target, 10, 4, seed=5)
+    code, _, err = eyas_cli("capture", "validate", out, "--data", other)
+    assert code == 2 and "does not match the prepared data" in err
+    # A NaN written into a shard whose manifest hash was updated to match: the values are checked too.
+    from safetensors.torch import load_file, save_file
+
+    shard = out / "shard-00001.safetensors"
+    t = load_file(shard)
+    t["aux"][3, 5] = float("nan")
+    save_file(t, shard)
+    m = json.loads((out / "manifest.json").read_text())
+    next(s for s in m["shards"] if s["file"] == shard.name)["sha256"] = fcap.sha256_file(shard)
+    (out / "manifest.json").write_text(json.dumps(m))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, _, err = eyas_cli("capture", "validate", out)
+    assert code == 2 and str(shard) in err and "NaN/inf" in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
+    code, _, err = eyas_cli("capture", "validate", tmp_path / "nothing")
+    assert code == 2 and "nothing" in err

@@ -57,7 +57,8 @@ def register(sub) -> None:
         description="Run the target over prepared samples (both splits) and store per token the "
         "concatenated aux states [T, 3H] at --layers (HF hidden_states index) and the final-norm output "
         "[T, H] as safetensors shards + manifest.json. Rerun the same command to resume after a kill. "
-        "Actions: `merge` joins part captures, `import` converts speculators/SpecForge features.")
+        "Actions: `merge` joins part captures, `import` converts speculators/SpecForge features, "
+        "`validate` checks a capture.")
     p.add_argument("--target", help="built-in name or local HF directory")
     p.add_argument("--data", type=Path, help="prepared data directory (eyas data prepare)")
     p.add_argument("--out", type=Path, help="output directory")
@@ -95,6 +96,15 @@ def register(sub) -> None:
     i.add_argument("--force", action="store_true", help="replace a non-empty --out")
     add_json_flag(i)
     i.set_defaults(func=run_import)
+    v = csub.add_parser("validate", help="check a capture: shard hashes, every sample's shapes and values",
+                        description="Read a whole capture and check each shard's sha256 against the manifest and "
+                        "every sample's shapes, dtype and finiteness (NaN/inf); with --data also its tokens "
+                        "against the prepared data it was captured from. Exits 2 naming the first bad shard "
+                        "or sample and what to do about it.")
+    v.add_argument("capture", type=Path, help="capture directory")
+    v.add_argument("--data", type=Path, help="prepared data directory the capture came from")
+    add_json_flag(v)
+    v.set_defaults(func=run_validate)
 
 
 def _config(args) -> CaptureConfig:
@@ -368,6 +378,15 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
 
 
 # ---------------------------------------------------------------- merge
+
+
+def run_validate(args) -> int:
+    reader = fcap.CaptureReader(args.capture, verify=True)
+    summary = {"capture": str(args.capture), **reader.validate(args.data)}
+    emit(args, summary, f"{args.capture}: {summary['samples']} samples, {summary['tokens']} tokens, "
+         f"{summary['shards']} shards: all hashes, shapes and values check out"
+         + (f", tokens match {args.data}" if args.data else ""))
+    return 0
 
 
 def run_merge(args) -> int:

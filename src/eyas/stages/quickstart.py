@@ -101,7 +101,7 @@ ARGV: dict[str, list[str]] = {
     "train": ["train", "--target", "{target}", "--capture", "{capture}", "--vocab", "{vocab}/vocab.safetensors",
               "--epochs", "{train_epochs}", "--max-steps", "{train_max_steps}", "--ttt", "{ttt}",
               "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--dtype", "{dtype}",
-              "--out", "{out}", "--force"],
+              "--aux-gain", "rms", "--out", "{out}", "--force"],  # explicit: runs trained before it are not reused
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
               "--tree", "{tree}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
