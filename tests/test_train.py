@@ -286,6 +286,8 @@ def test_drafter_flags_train_and_export_checks(pipe, tmp_path, eyas_cli):
     cfg = json.loads((run / "final" / "config.json").read_text())
     assert cfg["norm_before_residual"] and cfg["norm_before_fc"] and cfg["norm_output"] and not cfg["fc_norm"]
     assert "input_norm.weight" in _weights(run / "final")
+    gain = json.loads((run / "run.json").read_text())["init"]["aux_gain"]
+    assert gain.startswith("off")  # fc's input is normalised: a gain measured on raw features would not fold
     for engine in ("sglang", "vllm"):
         code, out, err = eyas_cli("export", run, "--to", engine, "--out", tmp_path / engine, "--target", pipe["target"])
         assert code == 1 and "norm_before_fc" in (out + err) and not (tmp_path / engine).exists(), engine
@@ -302,13 +304,14 @@ def test_drafter_flags_train_and_export_checks(pipe, tmp_path, eyas_cli):
 @pytest.mark.parametrize("bad,expect", [
     (("--ttt", "0"), "--ttt 0"),
     (("--lr", "-1"), "--lr -1"),
+    (("--aux-gain", "max"), "invalid choice: 'max'"),
     (("--vocab", "/nonexistent/vocab.safetensors"), "does not exist"),
 ])
-def test_bad_arguments_exit_2(pipe, tmp_path, eyas_cli, bad, expect):
+def test_bad_arguments_exit_2(pipe, tmp_path, cli, bad, expect):
     argv = {"--target": str(pipe["target"]), "--capture": str(pipe["cap"]), "--vocab": str(pipe["vocab"]),
             "--out": str(tmp_path / "r")}
     argv.update(dict(zip(bad[::2], bad[1::2])))
-    code, out, err = eyas_cli("train", *[x for kv in argv.items() for x in kv])
+    code, out, err = cli("train", *[x for kv in argv.items() for x in kv])
     assert code == 2 and expect in err, err
     assert "Traceback" not in err
 
