@@ -143,6 +143,16 @@ def test_aux_gain_checkpoints_serve_what_training_evaluated(pipe, tmp_path, eyas
         assert [again[f"acc_{i}"] for i in range(2)] == [trained[f"acc_{i}"] for i in range(2)]
 
 
+def test_align_topk_trains_and_is_part_of_the_run(pipe, tmp_path, eyas_cli):
+    base = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--ttt", "3",
+            "--max-steps", "2", "--eval-every", "1", *COMMON)
+    code, out, err = eyas_cli("train", "--out", tmp_path / "r", "--align-topk", "4", *base)
+    assert code == 0, err
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["train_config"]["align_topk"] == 4
+    code, _, err = eyas_cli("train", "--out", tmp_path / "r", "--resume", *base)  # resumed without it: refused
+    assert code == 2 and "align_topk" in err
+
+
 def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkeypatch):
     # After the first epoch the trainer passes each sample's cached full-vocabulary argmax;
     # every such table must equal the one built from scratch.
@@ -305,6 +315,7 @@ def test_drafter_flags_train_and_export_checks(pipe, tmp_path, eyas_cli):
     (("--ttt", "0"), "--ttt 0"),
     (("--lr", "-1"), "--lr -1"),
     (("--aux-gain", "max"), "invalid choice: 'max'"),
+    (("--align-topk", "-1"), "--align-topk -1"),
     (("--vocab", "/nonexistent/vocab.safetensors"), "does not exist"),
 ])
 def test_bad_arguments_exit_2(pipe, tmp_path, cli, bad, expect):

@@ -139,8 +139,10 @@ class _DenseStepAttend:
         return torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ V_
 
 
-def naive_loss(d, aux, x, last, mask, lm_head, K):
-    """Position by position: the issue's definition written as loops."""
+def naive_loss(d, aux, x, last, mask, lm_head, K, align_topk=0):
+    """Position by position: the issue's definition written as loops. `align_topk`: a slot
+    counts at step i only if the data's token x[t+2+j] was in the top-k at every step j < i;
+    each step's sum is still divided by all its loss positions."""
     h = d.fuse(aux)
     att = _DenseStepAttend()
     B, T = x.shape
@@ -154,20 +156,30 @@ def naive_loss(d, aux, x, last, mask, lm_head, K):
         outs.append(d.logits(out))
         h = out
     tids = torch.arange(d.d2t.numel()) + d.d2t
+    def supervised(b, t, i):
+        return t + 2 + i < T and mask[b, t + 2 + i] == 1
+
+    def reachable(b, t, i):
+        return all(supervised(b, t, j) and int(x[b, t + 2 + j]) in tids[outs[j][b, t].topk(align_topk).indices].tolist()
+                   for j in range(i))
+
     for i in range(K):
-        ces = []
+        ces, n = [], 0
         for b in range(B):
             for t in range(T):
                 p = t + 1 + i
-                if p + 1 >= T or mask[b, p + 1] != 1:
+                if not supervised(b, t, i):
                     continue
                 full = last[b, p] @ lm_head.T
                 if not bool(d.t2d[full.argmax()]):
                     continue
+                n += 1
+                if align_topk and not reachable(b, t, i):
+                    continue
                 tgt = torch.softmax(full[tids], -1)
                 ces.append(-(tgt * torch.log_softmax(outs[i][b, t], -1)).sum())
         if ces:
-            total = total + 0.8 ** i * torch.stack(ces).mean()
+            total = total + 0.8 ** i * torch.stack(ces).sum() / n
     return total
 
 
@@ -195,6 +207,22 @@ def test_loss_matches_naive_reference_and_grads():
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b.to(a.dtype))
     assert stats.valid.tolist()[0] >= stats.valid.tolist()[-1]
+
+
+@pytest.mark.parametrize("k", [2, 10])  # 10 of 20 draft tokens: steps 1-3 keep 6, 4, 3 of 10, 8, 6 slots
+def test_align_topk_matches_naive_reference(k):
+    d, ids = tiny_drafter()
+    aux, _, last, mask, lm = _batch(T=12)
+    mask[:] = 1
+    x = ids[torch.randint(0, ids.numel(), (2, 12), generator=torch.Generator().manual_seed(2))]  # draftable data
+    K = 4
+    tab = ttt.target_table(last, mask, lm, ids, d.t2d, chunk=5)
+    loss, stats = ttt.ttt_forward(d, aux, x, tab, K, align_topk=k)
+    ref = naive_loss(d, aux, x, last, mask, lm, K, align_topk=k)
+    torch.testing.assert_close(loss, ref.to(loss.dtype))
+    full, full_stats = ttt.ttt_forward(d, aux, x, tab, K)
+    assert stats.loss_n[0] == full_stats.loss_n[0] and stats.loss_n[-1] < full_stats.loss_n[-1]  # later steps masked
+    assert torch.equal(stats.correct, full_stats.correct)  # metrics unchanged
 
 
 def test_trailing_padding_changes_nothing():

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "train_state.pt"
 # Settings a resumed run must share with the original for the result to be the same run.
 RESUME_MUST_MATCH = ("ttt", "epochs", "lr", "batch_tokens", "max_len", "seed", "dtype", "warmup_ratio", "grad_clip",
-                     "weight_decay", "max_steps", "aux_gain")
+                     "weight_decay", "max_steps", "aux_gain", "align_topk")
 STEP_HOOKS: list[Callable[[int], None]] = []  # called after each optimizer step (tests inject kills)
 
 
@@ -65,6 +65,7 @@ class TrainConfig:
     fsdp: bool = False
     target_chunk: int = 1024
     aux_gain: bool = True  # per-channel power-of-two gain on fc's input (core.drafter.aux_gain_from_rms)
+    align_topk: int = 0  # loss only on slots reachable by top-k drafting (core.ttt.ttt_forward); 0 = off
 
 
 @dataclass
@@ -288,14 +289,14 @@ def init_distributed(device: torch.device) -> Dist:
 class TTTModule(nn.Module):
     """The drafter plus the TTT unroll as one forward, so DDP/FSDP see a normal module."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, autocast: torch.dtype | None):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, autocast: torch.dtype | None, align_topk: int = 0):
         super().__init__()
-        self.drafter, self.steps, self.autocast = drafter, steps, autocast
+        self.drafter, self.steps, self.autocast, self.align_topk = drafter, steps, autocast, align_topk
 
     def forward(self, aux, input_ids, table: ttt.TargetTable, denom: torch.Tensor, scale: float = 1.0):
         with torch.autocast(aux.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):
-            loss, stats = ttt.ttt_forward(self.drafter, aux, input_ids, table, self.steps, denom)
+            loss, stats = ttt.ttt_forward(self.drafter, aux, input_ids, table, self.steps, denom, self.align_topk)
         return loss * scale, stats
 
 
@@ -331,7 +332,7 @@ class Trainer:
         drafter.to(self.device)
         self.lm_head = target.lm_head.to(self.device, torch.bfloat16 if self.autocast else torch.float32)
         self.target_ids = (torch.arange(drafter.d2t.numel()) + drafter.d2t.cpu()).to(self.device)
-        self.module = self._wrap(TTTModule(drafter, cfg.ttt, self.autocast))
+        self.module = self._wrap(TTTModule(drafter, cfg.ttt, self.autocast, cfg.align_topk))
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.params = params
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,

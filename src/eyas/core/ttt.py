@@ -184,17 +184,23 @@ class StepStats:
 
 
 def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: TargetTable, steps: int,
-                denom: torch.Tensor | None = None) -> tuple[torch.Tensor, StepStats]:
+                denom: torch.Tensor | None = None, align_topk: int = 0) -> tuple[torch.Tensor, StepStats]:
     """Unroll `steps` TTT steps of `drafter` and return (loss, stats).
 
     loss = sum_i 0.8**i * (sum of soft CE at step i) / denom[i]; `denom` defaults to the
     batch's own loss-position counts (pass global counts under data parallelism).
+    With `align_topk` k > 0, index t counts for the loss at step i only if at every earlier
+    step j the drafter's top-k held the data's next token x[t+2+j] (the token step j+1 is
+    fed): a drafter never reaches a slot whose path it would not have proposed, so training
+    it there is wasted (GRIFFIN's misalignment mask). `denom` still counts every position.
+    Metrics are unaffected.
     """
     denom = table.step_counts(steps) if denom is None else denom
     h = drafter.fuse(aux)  # (B, T, H)
     attend = TTTAttention()
     B, T = input_ids.shape
     chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    aligned = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # reachable by top-k drafting
     loss = h.new_zeros((), dtype=torch.float32)
     stats = {k: [] for k in StepStats.__dataclass_fields__}
     for i in range(steps):
@@ -204,9 +210,14 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
         valid = rows >= 0  # (B, T)
         r = rows[valid]
         logits = drafter.logits(out[valid]).float()  # (M_i, N)
-        iv = table.in_vocab[r]
+        iv = table.in_vocab[r] & aligned[valid]
         ce = -(table.probs[r] * torch.log_softmax(logits, dim=-1)).sum(-1)  # (M_i,)
         ce_sum = ce[iv].sum()
+        if align_topk > 0 and i + 1 < steps:
+            top = drafter.draft_to_target(logits.detach().topk(min(align_topk, logits.shape[-1]), dim=-1).indices)
+            hit = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
+            hit[valid] = (top == shift_left(input_ids, 2 + i)[valid][:, None]).any(-1)
+            aligned = aligned & hit
         loss = loss + (STEP_WEIGHT ** i) * ce_sum / denom[i].clamp(min=1)
         right = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
         right[valid] = drafter.draft_to_target(logits.argmax(-1)) == table.argmax[r]

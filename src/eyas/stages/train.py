@@ -83,6 +83,10 @@ def register(sub) -> None:
                    help="fc input scaling: rms (default) trains fc on aux features scaled per channel to RMS ~1 "
                    "(powers of two measured on the first 64k training tokens, folded into fc.weight in every "
                    "checkpoint, so engines see a plain fc); off = raw features")
+    p.add_argument("--align-topk", type=int, default=0,
+                   help="train later TTT steps only on slots top-k drafting reaches: position t counts at step i "
+                   "only if the data's token was in the drafter's top-k at every earlier step (GRIFFIN's "
+                   "misalignment mask; e.g. 4, the tree's top-k). Default 0 = off")
     p.add_argument("--force", action="store_true", help="start over in a non-empty --out")
     add_json_flag(p)
     p.set_defaults(func=run_train)
@@ -96,6 +100,8 @@ def _check_args(args) -> None:
                                ("--eval-every", args.eval_every), ("--keep-last", args.keep_last)) if v < 1]
     if bad:
         raise EyasError(f"{bad[0][0]} {bad[0][1]} must be a positive integer; e.g. --ttt 7")
+    if args.align_topk < 0:
+        raise EyasError(f"--align-topk {args.align_topk} must be >= 0 (0 = off); e.g. --align-topk 4")
     if not args.lr > 0:
         raise EyasError(f"--lr {args.lr} must be positive; e.g. --lr 1e-3")
     if args.max_len < 3:
@@ -313,7 +319,7 @@ def run_train(args) -> int:
                                max_len=args.max_len, max_steps=args.max_steps, eval_every=args.eval_every,
                                seed=args.seed, dtype=args.dtype, device=str(device), warmup_ratio=args.warmup_ratio,
                                grad_clip=args.grad_clip, weight_decay=args.weight_decay, keep_last=args.keep_last,
-                               fsdp=args.fsdp, aux_gain=args.aux_gain == "rms")
+                               fsdp=args.fsdp, aux_gain=args.aux_gain == "rms", align_topk=args.align_topk)
     if cfg.aux_gain:
         init_info.update(training.apply_aux_gain(drafter, source, keep_function=bool(args.init_from)))
     _prepare_out(args, dist_)
