@@ -29,8 +29,10 @@ Defaults are chosen for one-layer drafters on small targets: AdamW (betas 0.9/0.
 decay), lr 1e-3 (speculators' default; the head starts from the target's), linear warmup over
 3% of the steps then cosine to 0, gradient clipping at 1.0, TTT length 7, loss weight 0.8**i.
 The drafter's embedding is the target's (frozen) and its lm_head starts from the target's
-lm_head rows of the draft ids. Writes RUN/metrics.jsonl, RUN/checkpoints/step-N (+ training
-state), RUN/best (highest simulated acceptance length), RUN/final, RUN/plots/curves.png.
+lm_head rows of the draft ids; fc reads the aux features with a per-channel gain (--aux-gain),
+folded into fc.weight in every checkpoint. Writes RUN/metrics.jsonl, RUN/checkpoints/step-N
+(+ training state), RUN/best (highest simulated acceptance length), RUN/final,
+RUN/plots/curves.png.
 
 Multi-process: torchrun --nproc-per-node 4 -m eyas train ...   (one node)
   torchrun --nnodes 2 --node-rank R --master-addr HOST --master-port 29500 --nproc-per-node 8 \\
