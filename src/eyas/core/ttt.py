@@ -210,7 +210,7 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
         valid = rows >= 0  # (B, T)
         r = rows[valid]
         logits = drafter.logits(out[valid]).float()  # (M_i, N)
-        iv = table.in_vocab[r] & aligned[valid]
+        iv = table.in_vocab[r] & aligned[valid] if align_topk > 0 else table.in_vocab[r]
         ce = -(table.probs[r] * torch.log_softmax(logits, dim=-1)).sum(-1)  # (M_i,)
         ce_sum = ce[iv].sum()
         if align_topk > 0 and i + 1 < steps:
