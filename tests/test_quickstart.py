@@ -26,7 +26,9 @@ class Recorder:
 
             pathlib.Path(out).mkdir(parents=True, exist_ok=True)
             summary = {"methods": {"plain": {"tokens_per_s": 10.0, "speedup": 1.0},
-                                   "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0}}}
+                                   "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0}},
+                       "first_draft_gap": {"chain": {"val_acc_0": 0.6, "tf_all": 0.55, "tf_at_steps": 0.45,
+                                                     "served_first": 0.45}}}
             (pathlib.Path(out) / "report.json").write_text(json.dumps({"summary": summary}))
         return 0
 
@@ -46,7 +48,7 @@ def test_rerun_reuses_finished_stages(tiny_target, tmp_path):
     # a changed vocab size reruns vocab and everything downstream, not data
     qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "draft_vocab": 16}), runner=rec)
     assert [c[0] for c in rec.calls[5:]] == ["vocab", "train", "bench"]  # capture does not read the vocab
-    assert "quickstart" not in qs.table(again)  # the table renders
+    assert "served 0.45" in qs.table(again)  # the table renders, with the first-draft gap
 
 
 def test_failed_stage_is_an_error_and_not_marked_done(tiny_target, tmp_path):

@@ -332,6 +332,42 @@ def test_engine_emulation_aux_off_skips_fc_and_collapses(tiny, trained):
     assert rates[True] > 0.5 and rates[False] < 0.5 * rates[True], rates
 
 
+def test_first_draft_gap_matches_training_scoring_and_catches_a_serving_bug(tiny, trained):
+    """`eyas bench`'s gap analysis: the teacher-forced guesses are training's own step-0 scoring
+    (independent path: capture_aux + layer + logits on the whole sequence), the served first
+    drafts agree with them step by step, and a runtime that feeds the drafter other features
+    than training did is caught (agreement drops, served < teacher-forced at the same steps)."""
+    from eyas.core.drafter import causal_attend
+    from eyas.stages.bench import first_draft_gap
+
+    model, _ = tiny
+    s = _settings("chain")
+    tr, dr = runtime.runners(model, _loaded(trained), runtime.Timer("cpu"))
+    prompts = [{"ids": _prompt(i)} for i in (100, 101, 5, 6)]  # two memorised, two not
+    results = {"chain": []}
+    for p in prompts:
+        r = runtime.generate(tr, dr, p["ids"], s)
+        results["chain"].append({"tokens": r.tokens, "accepted": r.accepted})
+    seq = torch.cat([prompts[0]["ids"], torch.tensor(results["chain"][0]["tokens"])])
+    with torch.no_grad(), targets.capture_aux(model, list(trained.cfg.aux_layer_ids)) as cap:
+        model(seq[None])
+        aux = cap.aux()
+    h = trained.layer(trained.fuse(aux[:, :-2]), seq[None, 1:-1], torch.arange(seq.shape[0] - 2)[None], causal_attend)
+    ref = trained.logits(h)[0].argmax(-1)
+    assert torch.equal(runtime.teacher_forced(tr, dr, seq)[:, 0], ref)
+
+    g = first_draft_gap(tr, dr, prompts, results, ["plain", "chain"], s, {"acc_0": 0.5})["chain"]
+    assert g["agreement"] == 1.0 and g["served_first"] == g["tf_at_steps"]
+    assert 0.2 < g["served_first"] < 1.0 and g["tf_all"] >= g["tf_at_steps"], g
+    assert g["val_acc_0"] == 0.5 and g["out_of_vocab"] == 0.0
+
+    extend = dr.extend  # a serving bug: the committed features come zeroed (training saw real ones)
+    dr.extend = lambda feats, tokens, start, every=False: extend(feats if every else feats * 0, tokens, start, every)
+    broken = {"chain": [runtime.generate(tr, dr, p["ids"], s).__dict__ for p in prompts]}
+    b = first_draft_gap(tr, dr, prompts, broken, ["chain"], s, None)["chain"]
+    assert b["agreement"] < 0.9 and b["served_first"] < b["tf_at_steps"] - 0.2, b
+
+
 @pytest.mark.slow
 def test_greedy_identity_on_builtin_target(builtin_target):
     """SmolLM2 fp32 with a random drafter (8k draft vocabulary): chain and tree give HF's greedy tokens."""

@@ -249,7 +249,9 @@ class DrafterRunner:
         self.fc_calls += 1
         return self.d.fuse(feats)
 
-    def extend(self, feats: torch.Tensor, tokens: torch.Tensor, start: int):
+    def extend(self, feats: torch.Tensor, tokens: torch.Tensor, start: int, every: bool = False):
+        """Commit T positions (features of tokens start-1.., and `tokens`) and return the head's
+        (logits, state) at the last one, or at all T with `every`."""
         assert start == self.length == self.committed, (start, self.length, self.committed)
         T = tokens.shape[0]
         mask = torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril_(start)
@@ -257,8 +259,8 @@ class DrafterRunner:
         with self.timer("drafter"):
             h = self._features(feats)[None]  # (1, T, H)
             h = self.d.layer(h, tokens.view(1, -1).to(self.device), pos[None], self._attend(mask), self.rope)
-            logits, state = self.d.head(h[:, -1])
-            out = logits[0], state[0]
+            logits, state = self.d.head(h[0] if every else h[:, -1])
+            out = (logits, state) if every else (logits[0], state[0])
         self.committed = self.length
         return out
 
@@ -387,6 +389,20 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
             root_logits, root_state = dr.extend(feats[rows.to(feats.device)], torch.tensor(new), n)
         n += len(path)
     return DecodeResult(_finish(out, s), accepted, wall_s=time.perf_counter() - t0, **_split(tr.timer))
+
+
+@torch.inference_mode()
+def teacher_forced(tr: TargetRunner, dr: DrafterRunner, seq: torch.Tensor, topk: int = 1) -> torch.Tensor:
+    """The drafter's first-step guesses over a finished sequence with the target's own features,
+    as training scores them: row i (features of token i, token i+1) guesses seq[i+2].
+    -> (N-2, topk) target ids, best first. The first draft of a verification step that starts
+    with n tokens in the cache is row n-1, so served and teacher-forced guesses line up."""
+    n = seq.shape[0] - 2
+    tr.reset(n)
+    _, feats = tr.forward(seq[:n], torch.arange(n))
+    dr.reset(n)
+    logits, _ = dr.extend(feats, seq[1:n + 1], 0, every=True)
+    return dr.target_ids[logits.float().topk(topk, dim=-1).indices].cpu()
 
 
 def _draft(dr, root: int, root_logits, root_state, n: int, s: DecodeSettings, gen):

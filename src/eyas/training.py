@@ -652,6 +652,16 @@ def set_rng_state(s: dict) -> None:
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
 
 
+def last_eval(run_dir: Path) -> dict | None:
+    """The last eval record of a training run's metrics.jsonl, or None when there is none."""
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    ev = [r for r in recs if r.get("kind") == "eval" and "acc_0" in r]
+    return ev[-1] if ev else None
+
+
 def plot_metrics(metrics_file: Path, out: Path) -> list[Path]:
     """PNG curves (train loss; eval acc_i and acceptance length) from metrics.jsonl."""
     import matplotlib

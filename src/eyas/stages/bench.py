@@ -195,6 +195,11 @@ def run(args) -> int:
     tr, dr = runtime.runners(model, loaded, runtime.Timer(device))
     results = bench_loop(methods, model, tr, dr, prompts, s, device)
     report = build_report(args, methods, prompts, results, s, loaded, tdir)
+    if dr is not None and s.temperature <= 0:
+        from eyas import training
+
+        val = training.last_eval(Path(args.drafter).parent)
+        report["summary"]["first_draft_gap"] = first_draft_gap(tr, dr, prompts, results, methods, s, val)
     with atomic_dir(Path(args.out), args.force) as tmp:
         write_report(tmp, report, results, prompts, tok)
     report["out"] = str(Path(args.out).resolve())
@@ -282,6 +287,63 @@ def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
     return {"summary": summary, "by_category": by_cat, "provenance": provenance(args)}
 
 
+GAP_NOTE = ("Reading it: val acc_0 -> teacher-forced (all positions) is the change of text (validation split vs "
+            "these prompts' greedy answers); all positions -> step starts is selection (a step starts right after "
+            "a rejection or a fully accepted run, which over-samples hard positions); step starts -> served should "
+            "be nothing (chain: agreement 1.0 up to bf16 rounding). A larger last gap means the runtime feeds the "
+            "drafter something training did not. Tree's served column counts any of the root's children "
+            "(compare tf_topK_at_steps in report.json).")
+
+
+def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> dict:
+    """Why served first-draft acceptance differs from validation acc_0, in measured steps (greedy only).
+
+    On each method's own output, the drafter's teacher-forced step-0 guesses (the target's features
+    over the whole finished sequence, as training scores them) give top-1 accuracy over every
+    drafted position (`tf_all`: validation text -> these prompts) and at the positions where
+    verification steps started (`tf_at_steps`: steps start right after a rejection, so they
+    over-sample hard positions). `served_first` is the share of those steps whose first draft the
+    target accepted; for chain it must equal `tf_at_steps` step by step (`agreement`), else the
+    runtime feeds the drafter something training did not (the seeds' failure)."""
+    from eyas import runtime
+
+    in_vocab = torch.zeros(dr.vocab_size, dtype=torch.bool)
+    in_vocab[dr.target_ids.cpu()] = True
+    topk = s.tree[0]
+    out = {}
+    for m in (x for x in methods if x in ("chain", "tree")):
+        all_hits, oov, served, tf1, tfk = [], [], [], [], []
+        for p, r in zip(prompts, results[m]):
+            n0 = p["ids"].shape[0]
+            seq = torch.cat([p["ids"], torch.tensor(r["tokens"], dtype=torch.long)])
+            if seq.shape[0] - n0 < 2:
+                continue
+            guess = runtime.teacher_forced(tr, dr, seq, topk)  # row i guesses seq[i+2]
+            truth = seq[2:]
+            hit1, hitk = guess[:, 0] == truth, (guess == truth[:, None]).any(1)
+            all_hits += hit1[n0 - 1:].tolist()
+            oov += (~in_vocab[truth[n0 - 1:]]).tolist()
+            n = n0
+            for a in r["accepted"]:
+                if n - 1 < truth.shape[0]:  # the step's first draft guessed a token that was kept
+                    served.append(a >= 1)
+                    tf1.append(bool(hit1[n - 1]))
+                    tfk.append(bool(hitk[n - 1]))
+                n += a + 1
+        if not served:
+            continue
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        g = {"val_acc_0": val.get("acc_0") if val else None, "tf_all": mean(all_hits),
+             "tf_at_steps": mean(tf1), "served_first": mean(served), "steps": len(served),
+             "positions": len(all_hits), "out_of_vocab": mean(oov)}
+        if m == "chain":
+            g["agreement"] = mean([a == b for a, b in zip(served, tf1)])
+        else:
+            g[f"tf_top{topk}_at_steps"] = mean(tfk)
+        out[m] = g
+    return out
+
+
 def write_report(out: Path, report: dict, results, prompts, tok) -> None:
     per_prompt = [{"id": p["id"], "category": p["category"], "prompt_tokens": int(p["ids"].shape[0]),
                    **{m: {"tokens": len(results[m][i]["tokens"]), "wall_s": round(results[m][i]["wall_s"], 4),
@@ -311,6 +373,16 @@ def markdown(report: dict) -> str:
     lines.append("\n" + "\n".join(f"- {k}: {v}" for k, v in s["definitions"].items()))
     if s.get("mismatches_vs_plain") is not None:
         lines.append(f"- greedy outputs differing from plain (per method): {s['mismatches_vs_plain']}")
+    if s.get("first_draft_gap"):
+        lines += ["\n## First-draft acceptance: validation vs served\n",
+                  "| method | val acc_0 | teacher-forced, all positions | teacher-forced, at step starts | "
+                  "served | steps | chain agreement |", "|---|---|---|---|---|---|---|"]
+        for m, g in s["first_draft_gap"].items():
+            val = f"{g['val_acc_0']:.3f}" if g["val_acc_0"] is not None else "-"
+            agree = f"{g['agreement']:.3f}" if "agreement" in g else "-"
+            lines.append(f"| {m} | {val} | {g['tf_all']:.3f} | {g['tf_at_steps']:.3f} | {g['served_first']:.3f} | "
+                         f"{g['steps']} | {agree} |")
+        lines.append("\n" + GAP_NOTE)
     lines.append("\n## Speedup by category\n")
     methods = list(s["methods"])
     lines += ["| category | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
@@ -366,5 +438,9 @@ def human_summary(report: dict) -> str:
         rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {st['time_split']['overhead']:8.0%}")
     if s.get("greedy_mismatches") is not None:
         rows.append(f"greedy mismatches vs plain: {s['mismatches_vs_plain']}")
+    for m, g in (s.get("first_draft_gap") or {}).items():
+        val = f"val {g['val_acc_0']:.3f} -> " if g["val_acc_0"] is not None else ""
+        rows.append(f"{m} first draft: {val}teacher-forced {g['tf_all']:.3f} -> at step starts "
+                    f"{g['tf_at_steps']:.3f} -> served {g['served_first']:.3f}")
     rows.append(f"report: {report['out']}/report.md")
     return "\n".join(rows)

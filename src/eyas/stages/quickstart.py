@@ -188,19 +188,20 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         secs = time.perf_counter() - t0
         write_json_atomic(marker, {"stage": stage, "argv": argv, "seconds": secs, "key": key})
         rows.append({"stage": stage, "status": "ran", "seconds": round(secs, 1), "dir": str(sdir)})
-    bench = _bench_summary(Path(values["bench"]))
-    return {"stages": rows, "bench": bench, "report": str(Path(values["bench"]) / "report.md"),
+    bench, gap = _bench_summary(Path(values["bench"]))
+    return {"stages": rows, "bench": bench, "first_draft_gap": gap, "report": str(Path(values["bench"]) / "report.md"),
             "seconds": round(time.perf_counter() - t_start, 1)}
 
 
-def _bench_summary(bdir: Path) -> dict | None:
+def _bench_summary(bdir: Path) -> tuple[dict | None, dict | None]:
+    """(per-method figures, the chain's first-draft gap) from the bench stage's report.json."""
     f = bdir / "report.json"
     if not f.is_file():
-        return None
+        return None, None
     s = json.loads(f.read_text())["summary"]
-    return {m: {"tokens_per_s": round(st["tokens_per_s"], 2), "speedup": round(st["speedup"], 3),
-                "acceptance_length": round(st["acceptance_length"], 3) if "acceptance_length" in st else None}
-            for m, st in s["methods"].items()}
+    return ({m: {"tokens_per_s": round(st["tokens_per_s"], 2), "speedup": round(st["speedup"], 3),
+                 "acceptance_length": round(st["acceptance_length"], 3) if "acceptance_length" in st else None}
+             for m, st in s["methods"].items()}, (s.get("first_draft_gap") or {}).get("chain"))
 
 
 def table(result: dict) -> str:
@@ -211,6 +212,11 @@ def table(result: dict) -> str:
         for m, st in result["bench"].items():
             al = f"{st['acceptance_length']:.2f}" if st["acceptance_length"] else "-"
             lines.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s}")
+    g = result.get("first_draft_gap")
+    if g and g["val_acc_0"] is not None:
+        lines += ["", f"chain first draft: validation acc_0 {g['val_acc_0']:.2f}, on the bench prompts "
+                  f"{g['tf_all']:.2f} (teacher-forced), {g['tf_at_steps']:.2f} at step starts, "
+                  f"served {g['served_first']:.2f} (report.md explains the gap)"]
     lines += ["", f"total {result['seconds'] / 60:.1f} min; report: {result['report']}"]
     return "\n".join(lines)
 
