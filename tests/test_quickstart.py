@@ -84,3 +84,14 @@ def test_tuple_values_expand_to_several_arguments():
     assert argv[i + 1:i + 4] == ["builtin-public", "builtin", "--regenerate"]
     assert qs.fill(qs.ARGV["data"], {**qs.PLANS["small"].__dict__, "target": "T", "out": "O"})[i + 1:i + 3] == [
         "builtin", "--regenerate"]
+
+
+def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkeypatch):
+    """The plan's `auto` becomes the machine's concrete dtype in each argv (hence in the stage hashes)."""
+    from eyas import targets
+
+    monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu": "fp32")
+    rec = Recorder()
+    qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto"}), runner=rec)
+    with_dtype = [a for a in rec.calls if "--dtype" in a]
+    assert len(with_dtype) == 4 and all(a[a.index("--dtype") + 1] == "fp32" for a in with_dtype)

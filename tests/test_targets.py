@@ -63,3 +63,30 @@ def test_builtin_target_fetch_and_info(eyas_cli, builtin_target):
     assert code == 0
     assert (d["num_layers"], d["hidden_size"], d["vocab_size"]) == (30, 576, 49152)
     assert d["default_aux_layers"] == [2, 15, 27] and d["chat_template"]
+
+
+def test_dtype_auto_is_bf16_only_where_bf16_is_native(monkeypatch, tmp_path):
+    """`--dtype auto`: bf16 with AMX or AVX512-BF16, fp32 on a plain AVX2 CPU; the CLI resolves
+    it before any stage sees it, so run records hold the concrete dtype."""
+    from eyas import cli
+
+    for amx, avx512_bf16, want in ((False, False, "fp32"), (True, False, "bf16"), (False, True, "bf16")):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
+        assert targets.fast_dtype("cpu") == want
+    seen = {}
+    monkeypatch.setattr(cli, "build_parser", lambda real=cli.build_parser: _spy(real(), seen))
+    assert cli.main(["capture", "--target", "x", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 0
+    assert seen["dtype"] == "bf16"  # the last capability set above: AVX512-BF16
+
+
+def _spy(parser, seen):
+    """The real parser, with the capture stage's function replaced by one that records args."""
+    real_parse = parser.parse_args
+
+    def parse_args(argv=None):
+        args = real_parse(argv)
+        args.func = lambda a: seen.update(dtype=a.dtype) or 0
+        return args
+    parser.parse_args = parse_args
+    return parser

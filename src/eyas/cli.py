@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "dtype", None) == "auto":  # one meaning for every stage: the machine's fast dtype
+            from eyas import targets
+
+            args.dtype = targets.fast_dtype(getattr(args, "device", None) or "cpu")
+            logging.getLogger("eyas").info("--dtype auto: %s on this machine", args.dtype)
         return int(args.func(args) or 0)
     except EyasError as e:
         msg = " ".join(str(e).split())

@@ -50,7 +50,9 @@ def register(sub) -> None:
     p.add_argument("--baselines", default="plain,hf,pld", help="comma list of plain, hf, pld (plain is always run)")
     p.add_argument("--engine", default="eyas", choices=ENGINES,
                    help="run the checkpoint as eyas does, or as SGLang / vLLM would load and feed it")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "auto"),
+                   help="fp32 (default: greedy output checked token for token against plain decoding), bf16, or "
+                   "auto = bf16 on CUDA and AMX / AVX512-BF16 CPUs, else fp32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's). On a shared CPU, 1 avoids "
                    "OpenMP stalls that slow multi-token forwards by 10-100x")

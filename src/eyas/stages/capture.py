@@ -63,7 +63,8 @@ def register(sub) -> None:
     p.add_argument("--data", type=Path, help="prepared data directory (eyas data prepare)")
     p.add_argument("--out", type=Path, help="output directory")
     p.add_argument("--layers", default="auto", help="aux layers: auto = [2, L//2, L-3], or i,j,k (HF index)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="run and store dtype")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="run and store dtype; auto (default) = bf16 on CUDA and AMX / AVX512-BF16 CPUs, else fp32")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward batch")
     p.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB")
     p.add_argument("--shard-index", type=int, default=0, help="this part's index (0-based)")

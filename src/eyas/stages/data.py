@@ -86,7 +86,8 @@ def register(sub) -> None:
     q.add_argument("--temperature", type=float, default=None, help="0 = greedy (default), with --regenerate")
     q.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     q.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
-    q.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
+    q.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or auto (the machine's fast one: bf16 on "
+                   "CUDA and AMX / AVX512-BF16 CPUs, else fp32) (default fp32)")
     q.add_argument("--force", action="store_true", help="replace an existing --out")
     add_json_flag(q)
     q.set_defaults(func=run_prepare)

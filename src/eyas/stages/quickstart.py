@@ -44,7 +44,7 @@ class Plan:
     batch_tokens: int
     bench_prompts: int
     bench_new_tokens: int
-    dtype: str = "bf16"  # bf16 is the fast configuration on AMX CPUs (ENVIRONMENT.md)
+    dtype: str = "auto"  # resolved per machine (targets.fast_dtype): bf16 on AMX CPUs and CUDA, else fp32
     minutes: tuple[float, ...] = (0.2, 6, 0.2, 1, 6, 4)
     inputs: tuple[str, ...] = ("builtin",)  # `eyas data prepare --input`
     tree: str = "4,5,16"  # `eyas bench --tree`
@@ -161,6 +161,9 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
     tdir = targets.resolve(target)
     fp = targets.fingerprint(tdir)
     values = {**asdict(plan), "target": str(tdir)}
+    if values["dtype"] == "auto":  # the concrete dtype goes into every argv, hence into the stage hashes
+        values["dtype"] = targets.fast_dtype()
+        log.info("dtype: %s on this machine", values["dtype"])
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
     remaining = list(plan.minutes[1:])
     for i, stage in enumerate(STAGES[1:], start=2):

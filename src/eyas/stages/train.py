@@ -73,8 +73,9 @@ def register(sub) -> None:
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (0: evaluate only)")
     p.add_argument("--eval-every", type=int, default=200, help="evaluate + checkpoint every S steps (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and data order (default 0)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
-                   help="compute dtype (autocast; master weights stay fp32; default bf16)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="compute dtype (autocast; master weights stay fp32). auto (default) = bf16 on CUDA and "
+                   "AMX / AVX512-BF16 CPUs, else fp32 (bf16 without native support is several times slower)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (under torchrun: cuda = local rank)")
     p.add_argument("--warmup-ratio", type=float, default=0.03, help="share of steps for linear warmup (default 0.03)")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm, 0 = off (default 1.0)")
