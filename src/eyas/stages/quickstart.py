@@ -90,6 +90,7 @@ PLANS = {
 }
 
 STAGES = ("target", "data", "vocab", "capture", "train", "bench")
+FP32_CPU_SLOWDOWN = 3.6  # ETA factor for the plans' bf16/AMX minutes when the stages run in fp32
 
 # The per-stage argv, in one table: {placeholders} are filled from the plan and from the
 # directories of earlier stages. Keep stage flags here only.
@@ -165,7 +166,10 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         values["dtype"] = targets.fast_dtype()
         log.info("dtype: %s on this machine", values["dtype"])
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
-    remaining = list(plan.minutes[1:])
+    # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
+    # small plan took 3.0-3.9x as long per stage (52 min in all on a 2-core AVX2 EPYC, 2026-11-30)
+    slow = FP32_CPU_SLOWDOWN if values["dtype"] == "fp32" else 1.0
+    remaining = [m * slow for m in plan.minutes[1:]]
     for i, stage in enumerate(STAGES[1:], start=2):
         argv_t = ARGV[stage]
         key = stage_key(stage, fill(argv_t, {**values, "out": "OUT"}), fp)
