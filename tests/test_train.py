@@ -119,6 +119,10 @@ def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
         assert torch.equal(wa[k], wb[k]), k
     steps_b = [m["step"] for m in _metrics(tmp_path / "b") if m["kind"] == "eval"]
     assert steps_b == [2, 4, 6, 7]
+    evals = [m for m in _metrics(tmp_path / "a") if m["kind"] == "eval"]
+    for s in (4, 6, 7):  # each state knows its own step's score, so a resume never demotes RUN/best
+        st = torch.load(tmp_path / "a" / "checkpoints" / f"step-{s}" / training.STATE_FILE, weights_only=True)
+        assert st["best"] == max(m["accept_len"] for m in evals if m["step"] <= s), s
 
 
 def test_aux_gain_checkpoints_serve_what_training_evaluated(pipe, tmp_path, eyas_cli):

@@ -524,6 +524,12 @@ class Trainer:
         meta = {**self.meta, "step": self.step, "metrics": metrics}
         ck = self.out / "checkpoints" / f"step-{self.step}"
         save_checkpoint(ck, d, meta)
+        # best before the state: a run resumed from this step must know this step's score (it
+        # was lost before, so a resumed run could replace RUN/best with a worse checkpoint)
+        al = metrics.get("accept_len", -1.0)
+        if al > self.best:
+            self.best = al
+            save_checkpoint(self.out / "best", d, meta)
         state = {"optimizer": opt_state, "optimizer_layout": self._optimizer_layout,
                  "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch,
                  "batch_in_epoch": self.batch_in_epoch, "best": self.best, "rng": rng_state(),
@@ -531,10 +537,6 @@ class Trainer:
         tmp = ck / f".{STATE_FILE}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, ck / STATE_FILE)
-        al = metrics.get("accept_len", -1.0)
-        if al > self.best:
-            self.best = al
-            save_checkpoint(self.out / "best", d, meta)
         self._prune()
 
     @property
