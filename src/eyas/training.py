@@ -654,13 +654,17 @@ def set_rng_state(s: dict) -> None:
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
 
 
+def read_metrics(metrics_file: Path) -> list[dict]:
+    """The records of a metrics.jsonl, in order."""
+    return [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+
+
 def last_eval(run_dir: Path) -> dict | None:
     """The last eval record of a training run's metrics.jsonl, or None when there is none."""
     f = Path(run_dir) / "metrics.jsonl"
     if not f.is_file():
         return None
-    recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-    ev = [r for r in recs if r.get("kind") == "eval" and "acc_0" in r]
+    ev = [r for r in read_metrics(f) if r.get("kind") == "eval" and "acc_0" in r]
     return ev[-1] if ev else None
 
 
@@ -671,7 +675,7 @@ def plot_metrics(metrics_file: Path, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
+    recs = read_metrics(metrics_file)
     train = [r for r in recs if r["kind"] == "train"]
     ev = [r for r in recs if r["kind"] == "eval" and "accept_len" in r]
     out.mkdir(parents=True, exist_ok=True)
