@@ -312,15 +312,19 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
     in_vocab = torch.zeros(dr.vocab_size, dtype=torch.bool)
     in_vocab[dr.target_ids.cpu()] = True
     topk = s.tree[0]
+    guesses: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # chain and tree mostly share outputs
     out = {}
     for m in (x for x in methods if x in ("chain", "tree")):
         all_hits, oov, served, tf1, tfk = [], [], [], [], []
-        for p, r in zip(prompts, results[m]):
+        for j, (p, r) in enumerate(zip(prompts, results[m])):
             n0 = p["ids"].shape[0]
             seq = torch.cat([p["ids"], torch.tensor(r["tokens"], dtype=torch.long)])
             if seq.shape[0] - n0 < 2:
                 continue
-            guess = runtime.teacher_forced(tr, dr, seq, topk)  # row i guesses seq[i+2]
+            key = (j, tuple(r["tokens"]))
+            if key not in guesses:
+                guesses[key] = runtime.teacher_forced(tr, dr, seq, topk)
+            guess = guesses[key]  # row i guesses seq[i+2]
             truth = seq[2:]
             hit1, hitk = guess[:, 0] == truth, (guess == truth[:, None]).any(1)
             all_hits += hit1[n0 - 1:].tolist()
