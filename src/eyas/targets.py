@@ -65,7 +65,7 @@ def eyas_home() -> Path:
 def parse_dtype(name: str) -> torch.dtype:
     """Map `fp32|bf16|fp16` to a torch dtype; anything else is a usage error."""
     if name not in DTYPES:
-        raise EyasError(f"--dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+        raise EyasError(f"--dtype {name!r} is not supported; use one of {', '.join(DTYPES)} or auto")
     return DTYPES[name]
 
 
