@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from eyas import targets
+from eyas.core import prepack
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.formats.checkpoint import save_checkpoint
 
@@ -49,6 +50,8 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     assert summary["greedy_mismatches"] == 0
     assert set(summary["methods"]) == {"plain", "hf", "pld", "chain", "tree"}
     assert summary["mismatches_vs_plain"]["hf"] == 0
+    packable = prepack.supported(torch.float32, "cpu")  # target and drafter linears prepacked (fp32 CPU)
+    assert (summary["prepacked_linears"] > 0) == packable
     for m in ("chain", "tree"):
         st = summary["methods"][m]
         assert st["acceptance_length"] >= 1.0 and len(st["acceptance_by_position"]) >= 1
@@ -79,10 +82,10 @@ def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir,
     code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, "--prompts", prompt_file,
                                  "--engine", "sglang", "--baselines", "plain", "--methods", "chain,tree",
                                  "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "8", "--limit", "1",
-                                 "--out", tmp_path / "e", "--json")
+                                 "--no-prepack", "--out", tmp_path / "e", "--json")
     assert code == 0, err
     s = json.loads(stdout)
-    assert s["engine"] == "sglang" and s["greedy_mismatches"] is None
+    assert s["engine"] == "sglang" and s["greedy_mismatches"] is None and s["prepacked_linears"] == 0
     assert s["methods"]["chain"]["tokens"] > 0 and s["methods"]["tree"]["tokens"] > 0
 
 

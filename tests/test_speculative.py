@@ -4,11 +4,13 @@ and the engine emulation's fc-bypass collapse."""
 
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
 
 from eyas import runtime, targets
+from eyas.core import prepack
 from eyas.core import speculative as spec
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 
@@ -296,6 +298,26 @@ def test_greedy_identity_with_real_drafters(tiny, trained, method):
     assert sum(res.accepted) / res.steps > 0.5  # the trained drafter is accepted
 
 
+@pytest.mark.skipif(not prepack.supported(torch.float32, "cpu"), reason="no oneDNN linear packing in this build")
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_greedy_identity_with_prepacked_models(tiny, trained, method):
+    """`eyas bench` prepacks target and drafter (core/prepack): the output is still the unpacked
+    target's HF greedy output, and the drafter is accepted exactly as often as unpacked."""
+    model, _ = tiny
+    pm, pd = copy.deepcopy(model), copy.deepcopy(trained)
+    assert prepack.prepack(pm) > 0 and prepack.prepack(pd) > 0
+    plain = runtime.runners(model, _loaded(trained), runtime.Timer("cpu"))
+    packed = runtime.runners(pm, _loaded(pd), runtime.Timer("cpu"))
+    for seed in (5, 100):
+        prompt = _prompt(seed)
+        ref = _hf_greedy(model, prompt, 40, eos=2)
+        want = runtime.generate(*plain, prompt, _settings(method))
+        got = runtime.generate(*packed, prompt, _settings(method))
+        assert got.tokens == want.tokens == ref
+        assert got.accepted == want.accepted
+    assert sum(got.accepted) / got.steps > 0.5  # seed 100 was trained on: the packed drafter is accepted
+
+
 def test_wide_tree_expands_more_nodes_than_it_keeps(tiny, trained):
     """topk * depth (8 * 6 = 48 drafted nodes) far above the 12 the target verifies: the
     drafter's cache must hold every expanded node (regression: it was sized by the budget)."""
@@ -381,10 +403,16 @@ def test_greedy_identity_on_builtin_target(builtin_target):
                                    tokenize=False)
     prompt = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
     ref = _hf_greedy(model, prompt, 10, eos=tok.eos_token_id)
+    packed = copy.deepcopy(model), copy.deepcopy(d)
+    if prepack.prepack(packed[0]) and prepack.prepack(packed[1]):  # as `eyas bench` runs it on CPU
+        runs = [(tr, dr), runtime.runners(packed[0], _loaded(packed[1]), runtime.Timer("cpu"))]
+    else:
+        runs = [(tr, dr)]
     for method in ("chain", "tree"):
         s = _settings(method, max_new_tokens=10, eos_ids=(tok.eos_token_id,), tree=(3, 3, 8))
         with torch.inference_mode():
-            assert runtime.generate(tr, dr, prompt, s).tokens == ref
+            for r in runs:
+                assert runtime.generate(*r, prompt, s).tokens == ref
 
 
 def test_engine_reading_of_checkpoints(tiny, trained, tiny_target, tmp_path):

@@ -1,0 +1,118 @@
+"""Plain vs oneDNN-prepacked weights (`eyas.core.prepack`), side by side in one run.
+
+Forward cost: each forward appends T tokens to a KV cache of --context tokens (a
+verification step); median of --repeats in ms, and as a ratio to the unpacked 1-token forward.
+Decoding (with --drafter and --prompts): plain, chain and tree greedy decoding of each prompt
+with unpacked and packed models, interleaved prompt by prompt; tokens/s, speedup over the
+same build's plain decoding, and whether every output is the unpacked plain output.
+
+    python bench/bench_prepack.py [--target smollm2-135m] [--threads 2] [--context 300]
+    python bench/bench_prepack.py --sizes '' --drafter RUN/final --prompts mt.jsonl mbpp.jsonl --limit 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from eyas import runtime, targets
+from eyas.core import prepack
+
+
+def forward_ms(tr: runtime.TargetRunner, prompt: torch.Tensor, T: int, repeats: int) -> float:
+    n, ts = prompt.numel(), []
+    for _ in range(repeats):
+        tr.reset(n + 64)
+        tr.forward(prompt, torch.arange(n), features=False)
+        toks = torch.randint(100, 20000, (T,))
+        t0 = time.perf_counter()
+        tr.forward(toks, n + torch.arange(T))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1000
+
+
+def decoding(models: dict, drafter: str, prompt_files: list[str], limit: int, new_tokens: int,
+             k: int, tree: str) -> None:
+    from pathlib import Path
+
+    from eyas.formats.prompts import load_prompt_files
+    from eyas.stages import bench
+
+    _, tok = targets.load(targets.resolve(targets.DEFAULT_TARGET), dtype="fp32", device="cpu")
+    convs = load_prompt_files([Path(p) for p in prompt_files], flag="--prompts", keywords=())
+    items = bench.spread([(c.id, c.category, c.user_turns[0]) for c in convs if c.user_turns], limit)
+    runs = {}
+    for name, m in models.items():
+        loaded = runtime.load_drafter(Path(drafter), m, "eyas", torch.float32)
+        if name == "packed":
+            prepack.prepack(loaded.drafter)
+        runs[name] = runtime.runners(m, loaded, runtime.Timer(torch.device("cpu")))
+    s = runtime.DecodeSettings(k=k, tree=bench.parse_tree(tree), max_new_tokens=new_tokens,
+                               eos_ids=bench.eos_ids(models["plain"], tok))
+    tot: dict[tuple[str, str], list[float]] = {}
+    same = True
+    for _, _, text in items:
+        ids = bench.render(tok, text, 1024)
+        ref = None
+        for method in ("plain", "chain", "tree"):
+            for name, (tr, dr) in runs.items():
+                r = runtime.generate(tr, dr, ids, runtime.DecodeSettings(**{**s.__dict__, "method": method}))
+                ref = ref or r.tokens
+                same &= r.tokens == ref
+                t = tot.setdefault((name, method), [0, 0.0, 0, 0])
+                t[0] += len(r.tokens); t[1] += r.wall_s; t[2] += sum(r.accepted) + r.steps; t[3] += r.steps
+    print(f"{len(items)} prompts, {new_tokens} new tokens, k {k}, tree {tree}; all outputs equal: {same}")
+    print(f"{'build':>9} {'method':>6} {'tok/s':>6} {'vs plain':>9} {'accept':>7}")
+    for (name, method), (n, sec, acc, steps) in tot.items():
+        base = tot[(name, "plain")][0] / tot[(name, "plain")][1]
+        al = f"{acc / steps:.2f}" if method != "plain" else "-"
+        print(f"{name:>9} {method:>6} {n / sec:>6.1f} {n / sec / base:>8.2f}x {al:>7}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=targets.DEFAULT_TARGET)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--sizes", default="1,2,4,6,8,12,16,24,32")
+    ap.add_argument("--drafter", help="drafter checkpoint: also compare decoding")
+    ap.add_argument("--prompts", nargs="*", default=[])
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--tree", default="4,5,16")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model, _ = targets.load(targets.resolve(a.target), dtype="fp32", device="cpu")
+    packed = copy.deepcopy(model)
+    print(f"packed {prepack.prepack(packed)} linear layers")
+    aux = targets.default_aux_layers(model.config.num_hidden_layers)
+    runners = {name: runtime.TargetRunner(m, aux, runtime.Timer(torch.device("cpu")))
+               for name, m in (("plain", model), ("packed", packed))}
+    prompt = torch.randint(100, 20000, (a.context,))
+    with torch.inference_mode():
+        ids = torch.randint(100, 20000, (1, 64))
+        top = [m(ids).logits[0].argmax(-1) for m in (model, packed)]
+        print(f"greedy agreement over 64 positions: {(top[0] == top[1]).float().mean().item():.3f}")
+        base = None
+        print(f"{'T':>3} {'unpacked ms':>12} {'packed ms':>10} {'unpacked x':>11} {'packed x':>9}")
+        for T in (int(s) for s in a.sizes.split(",") if s):
+            ms = {}
+            for _ in range(2):  # interleave the two, twice, so drift hits both
+                for name, tr in runners.items():
+                    ms.setdefault(name, []).append(forward_ms(tr, prompt, T, a.repeats))
+            u, p = min(ms["plain"]), min(ms["packed"])
+            base = base or u
+            print(f"{T:>3} {u:>12.1f} {p:>10.1f} {u / base:>11.2f} {p / base:>9.2f}", flush=True)
+        if a.drafter:
+            decoding({"plain": model, "packed": packed}, a.drafter, a.prompts, a.limit, a.max_new_tokens, a.k, a.tree)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""core/prepack: oneDNN-packed linear layers compute what nn.Linear computes, and change
+nothing else about the model (state dict, tied weights, dtypes other than fp32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from eyas import targets
+from eyas.core import prepack
+
+pytestmark = pytest.mark.skipif(not prepack.supported(torch.float32, "cpu"),
+                                reason="this PyTorch build has no oneDNN linear packing")
+
+
+def test_packed_model_matches_plain_and_keeps_its_state(tiny_target):
+    model, _ = targets.load(tiny_target)
+    packed = copy.deepcopy(model)
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    assert prepack.prepack(packed) == n_linear > 0
+    assert not any(type(m) is nn.Linear for m in packed.modules())
+    ids = torch.randint(3, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want, got = model(ids).logits, packed(ids).logits  # (2, 17, V): 2-D and 3-D inputs both
+        one = packed(ids[:1, :1]).logits  # a single row, as in plain decoding
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(one[0, 0], want[0, 0], rtol=1e-4, atol=1e-5)
+    # the state dict is the model's own: same keys, same tensors, no packed copies in it
+    sd, sd0 = packed.state_dict(), model.state_dict()
+    assert sd.keys() == sd0.keys()
+    assert all(torch.equal(sd[k], sd0[k]) for k in sd)
+    if model.config.tie_word_embeddings:
+        assert packed.lm_head.weight is packed.get_input_embeddings().weight
+
+
+def test_packed_linear_with_bias_and_leading_dims():
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 40)
+    x = torch.randn(3, 5, 24)
+    pl = prepack.PackedLinear.from_linear(lin)
+    assert pl.weight is lin.weight and pl.bias is lin.bias
+    with torch.no_grad():
+        torch.testing.assert_close(pl(x), lin(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pl(x[:, 1]), lin(x[:, 1]), rtol=1e-5, atol=1e-6)  # non-contiguous rows
+
+
+def test_only_fp32_cpu_models_are_packed():
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).to(torch.bfloat16)
+    assert prepack.prepack(m) == 0
+    assert type(m[0]) is nn.Linear
+    assert not prepack.supported(torch.float32, "cuda")
