@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import KINDS, PROMPTS
 
+from eyas.core import prepack
 from eyas.errors import EyasError
 from eyas.formats.data import end_of_turn_ids, read_manifest, read_samples, render_masked, split_of
 
@@ -299,6 +300,8 @@ def test_decode_batch_equals_generate_one_by_one(tiny_targets, kind):
     assert decode_batch(model, prompts, 12, stops) == want
     assert decode_batch(model, prompts, 12, []) == ref
     assert model.config._attn_implementation == "sdpa"  # restored
+    if prepack.prepack(model):  # `data prepare --regenerate` prepacks fp32 CPU weights: same answers
+        assert decode_batch(model, prompts, 12, stops) == want
 
 
 # ---------------------------------------------------------------- bad input
@@ -436,6 +439,7 @@ def test_regenerate_gsm8k_on_smollm2(builtin_target, real_tokenizer, tmp_path, e
     samples = read_samples(out, "train") + read_samples(out, "eval")
     gen = summary["regeneration"]
     assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0
+    assert (gen["prepacked_linears"] > 0) == prepack.supported(torch.float32, "cpu")
     raw = [json.loads(l)["answer"] for l in (PROMPTS / "grade-school-math__train.jsonl").open().readlines()[:20]]
     for s in samples:
         assert s.category == "math" and [m["role"] for m in s.messages] == ["user", "assistant"]

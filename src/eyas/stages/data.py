@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from eyas import targets
+from eyas.core import prepack
 from eyas.errors import EyasError
 from eyas.formats import data as fdata
 from eyas.formats import prompts as fprompts
@@ -191,6 +192,7 @@ def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: 
     from eyas.regenerate import GenSettings, _max_positions, regenerate
 
     model, tok = targets.load(path, dtype=args.dtype, device=args.device)
+    packed = prepack.prepack(model)  # fp32 CPU: 1.4x faster batched decoding, same answers (core/prepack)
     _check_template(tok, path)
     self_info = None
     if args.self_prompts:
@@ -214,7 +216,7 @@ def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: 
             "new_tokens": st.new_tokens, "seconds": round(st.seconds, 2),
             "tokens_per_s": round(st.tokens_per_s, 2), "batches_generated": st.batches_done,
             "batches_reused": st.batches_reused, "turns_cut_for_context": st.cut_turns,
-            "self_prompts": self_info}
+            "self_prompts": self_info, "prepacked_linears": packed}
     return out, info
 
 
