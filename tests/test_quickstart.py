@@ -86,12 +86,20 @@ def test_tuple_values_expand_to_several_arguments():
         "builtin", "--regenerate"]
 
 
-def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkeypatch):
-    """The plan's `auto` becomes the machine's concrete dtype in each argv (hence in the stage hashes)."""
+def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkeypatch, caplog):
+    """The plan's `auto` becomes the machine's concrete dtype in each argv (hence in the stage hashes),
+    and the printed ETA uses the per-stage fp32 factors."""
+    import logging
+
     from eyas import targets
 
     monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu": "fp32")
     rec = Recorder()
-    qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto"}), runner=rec)
+    minutes = (0.0, 10.0, 0.0, 10.0, 10.0, 10.0)
+    with caplog.at_level(logging.INFO, logger="eyas.stages.quickstart"):
+        qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": minutes}),
+                        runner=rec)
     with_dtype = [a for a in rec.calls if "--dtype" in a]
     assert len(with_dtype) == 4 and all(a[a.index("--dtype") + 1] == "fp32" for a in with_dtype)
+    eta = sum(m * f for m, f in zip(minutes[1:], qs.FP32_CPU_SLOWDOWN))
+    assert f"about {eta:.0f} min left" in caplog.text and eta > sum(minutes)

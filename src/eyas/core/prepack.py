@@ -3,10 +3,11 @@
 
 Why: decoding multiplies a few rows (1 token, or the 2-32 of a verification step) by every
 weight matrix. With the plain row-major weight, PyTorch's CPU GEMM for more than one row
-repacks the weight on every call; on a 2-core AVX2 EPYC, SmolLM2-135M's linear layers took
-1.5x as long for 2 rows as for 1, and 1.7x for 16. oneDNN's blocked layout, made once,
-removes that: the same layers took 0.7x (1 row), 0.7x (2) and 1.3x (16) of the unpacked
-1-row time (`bench/bench_prepack.py`). Inductor's CPU "freezing" and IPEX do the same.
+repacks the weight on every call: on a 2-core AVX2 EPYC a SmolLM2-135M forward of 2 tokens
+cost 1.9x one of 1 token, and 6 tokens 2.2x, so verifying drafts was never cheap in fp32.
+With the weights reordered once into oneDNN's blocked layout, 1.3x and 1.4x of the unpacked
+1-token forward (`bench/bench_prepack.py`, README). Inductor's CPU "freezing" and IPEX do
+the same.
 
 Only the forward changes: the module keeps its `weight` Parameter (state dicts, tied
 embeddings and Hugging Face `generate()` see the same model), plus a packed copy that is not

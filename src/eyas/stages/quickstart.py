@@ -90,7 +90,10 @@ PLANS = {
 }
 
 STAGES = ("target", "data", "vocab", "capture", "train", "bench")
-FP32_CPU_SLOWDOWN = 3.6  # ETA factor for the plans' bf16/AMX minutes when the stages run in fp32
+# ETA factors per stage (data, vocab, capture, train, bench) for the plans' bf16/AMX minutes when
+# the stages run in fp32 on a CPU without native bf16: the small plan on a 2-core AVX2 EPYC
+# (2026-11-30; data and bench with prepacked weights): data 10.7, capture 5.0, train 30.3, bench 3.6 min
+FP32_CPU_SLOWDOWN = (2.6, 1.0, 3.6, 3.9, 3.0)
 
 # The per-stage argv, in one table: {placeholders} are filled from the plan and from the
 # directories of earlier stages. Keep stage flags here only.
@@ -167,9 +170,9 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         log.info("dtype: %s on this machine", values["dtype"])
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
     # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
-    # small plan took 3.0-3.9x as long per stage (52 min in all on a 2-core AVX2 EPYC, 2026-11-30)
-    slow = FP32_CPU_SLOWDOWN if values["dtype"] == "fp32" else 1.0
-    remaining = [m * slow for m in plan.minutes[1:]]
+    # stages take longer (FP32_CPU_SLOWDOWN)
+    slow = FP32_CPU_SLOWDOWN if values["dtype"] == "fp32" else (1.0,) * len(FP32_CPU_SLOWDOWN)
+    remaining = [m * f for m, f in zip(plan.minutes[1:], slow)]
     for i, stage in enumerate(STAGES[1:], start=2):
         argv_t = ARGV[stage]
         key = stage_key(stage, fill(argv_t, {**values, "out": "OUT"}), fp)
