@@ -47,6 +47,14 @@ def test_packed_linear_with_bias_and_leading_dims():
         torch.testing.assert_close(pl(x[:, 1]), lin(x[:, 1]), rtol=1e-5, atol=1e-6)  # non-contiguous rows
 
 
+def test_packing_stays_within_the_memory_budget(tiny_target):
+    model, _ = targets.load(tiny_target)
+    need = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is nn.Linear)
+    assert prepack.prepack(model, budget_bytes=need - 1) == 0  # over budget: left as it is
+    assert not any(isinstance(m, prepack.PackedLinear) for m in model.modules())
+    assert targets.prepack_for_decoding(model) > 0  # the stages' budget: half the memory available now
+
+
 def test_only_fp32_cpu_models_are_packed():
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).to(torch.bfloat16)
     assert prepack.prepack(m) == 0

@@ -16,8 +16,12 @@ part of the state dict. Inference only (no autograd through the packed op).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 PACK_ROWS = 16  # the row count oneDNN tunes the layout for; measured best for 1..24 rows
 
@@ -49,14 +53,20 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
 
-def prepack(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of `model` (in place) by a `PackedLinear` when `supported`;
-    returns how many were packed (0 = unsupported here, model unchanged)."""
+def prepack(model: nn.Module, budget_bytes: int | None = None) -> int:
+    """Replace every `nn.Linear` of `model` (in place) by a `PackedLinear` when `supported`
+    and the packed copies fit in `budget_bytes`; returns how many were packed (0 = model
+    unchanged)."""
     p = next(model.parameters())
     if not supported(p.dtype, p.device):
         return 0
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.weight.dtype == torch.float32]
+    need = sum(c.weight.numel() * c.weight.element_size() for _, _, c in found)  # one packed copy each
+    if budget_bytes is not None and need > budget_bytes:
+        log.warning("not prepacking linear weights: the packed copies need %.1f GB, over the %.1f GB allowed",
+                    need / 1e9, budget_bytes / 1e9)
+        return 0
     for parent, name, child in found:
         setattr(parent, name, PackedLinear.from_linear(child))
     return len(found)

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from eyas import targets
-from eyas.core import prepack
 from eyas.errors import EyasError, FindingsError
 from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, write_json_atomic
 
@@ -196,7 +195,9 @@ def run(args) -> int:
     if args.drafter:
         loaded = runtime.load_drafter(Path(args.drafter), model, args.engine, model.dtype, args.seed, tdir)
     methods = method_list(args, loaded is not None)
-    packed = 0 if args.no_prepack else prepack.prepack(model) + (prepack.prepack(loaded.drafter) if loaded else 0)
+    packed = 0
+    if not args.no_prepack:  # every method, hf and pld included, runs on the packed target
+        packed = targets.prepack_for_decoding(model) + (targets.prepack_for_decoding(loaded.drafter) if loaded else 0)
     s = runtime.DecodeSettings(k=args.k, tree=parse_tree(args.tree), temperature=args.temperature,
                                top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model, tok),
                                seed=args.seed)

@@ -15,7 +15,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from eyas import targets
-from eyas.core import prepack
 from eyas.errors import EyasError
 from eyas.formats import data as fdata
 from eyas.formats import prompts as fprompts
@@ -192,7 +191,7 @@ def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: 
     from eyas.regenerate import GenSettings, _max_positions, regenerate
 
     model, tok = targets.load(path, dtype=args.dtype, device=args.device)
-    packed = prepack.prepack(model)  # fp32 CPU: 1.4x faster batched decoding, same answers (core/prepack)
+    packed = targets.prepack_for_decoding(model)  # fp32 CPU: 1.4x faster batched decoding, same answers
     _check_template(tok, path)
     self_info = None
     if args.self_prompts:
