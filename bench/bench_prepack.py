@@ -1,7 +1,8 @@
 """Plain vs oneDNN-prepacked weights (`eyas.core.prepack`), side by side in one run.
 
 Forward cost: each forward appends T tokens to a KV cache of --context tokens (a
-verification step); median of --repeats in ms, and as a ratio to the unpacked 1-token forward.
+verification step); the two builds alternate forward by forward; median of --repeats in ms,
+and as a ratio to the unpacked 1-token forward.
 Decoding (with --drafter and --prompts): plain, chain and tree greedy decoding of each prompt
 with unpacked and packed models, interleaved prompt by prompt; tokens/s, speedup over the
 same build's plain decoding, and whether every output is the unpacked plain output.
@@ -23,16 +24,19 @@ from eyas import runtime, targets
 from eyas.core import prepack
 
 
-def forward_ms(tr: runtime.TargetRunner, prompt: torch.Tensor, T: int, repeats: int) -> float:
-    n, ts = prompt.numel(), []
+def forward_ms(runners: dict, prompt: torch.Tensor, T: int, repeats: int) -> dict[str, float]:
+    """Median ms of a T-token forward after `prompt`, per runner, the runners alternating
+    forward by forward so that machine drift hits them alike."""
+    n, ts = prompt.numel(), {name: [] for name in runners}
     for _ in range(repeats):
-        tr.reset(n + 64)
-        tr.forward(prompt, torch.arange(n), features=False)
-        toks = torch.randint(100, 20000, (T,))
-        t0 = time.perf_counter()
-        tr.forward(toks, n + torch.arange(T))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1000
+        for name, tr in runners.items():
+            tr.reset(n + 64)
+            tr.forward(prompt, torch.arange(n), features=False)
+            toks = torch.randint(100, 20000, (T,))
+            t0 = time.perf_counter()
+            tr.forward(toks, n + torch.arange(T))
+            ts[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1000 for name, v in ts.items()}
 
 
 def decoding(models: dict, drafter: str, prompt_files: list[str], limit: int, new_tokens: int,
@@ -103,11 +107,8 @@ def main() -> None:
         base = None
         print(f"{'T':>3} {'unpacked ms':>12} {'packed ms':>10} {'unpacked x':>11} {'packed x':>9}")
         for T in (int(s) for s in a.sizes.split(",") if s):
-            ms = {}
-            for _ in range(2):  # interleave the two, twice, so drift hits both
-                for name, tr in runners.items():
-                    ms.setdefault(name, []).append(forward_ms(tr, prompt, T, a.repeats))
-            u, p = min(ms["plain"]), min(ms["packed"])
+            ms = forward_ms(runners, prompt, T, a.repeats)
+            u, p = ms["plain"], ms["packed"]
             base = base or u
             print(f"{T:>3} {u:>12.1f} {p:>10.1f} {u / base:>11.2f} {p / base:>9.2f}", flush=True)
         if a.drafter:

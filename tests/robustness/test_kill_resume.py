@@ -5,7 +5,7 @@ compare with an uninterrupted run (bit-identical on CPU, fp32).
 
 Files that legitimately differ between runs and are ignored: capture `provenance.json`;
 prepared `manifest.json` `provenance` block and the `generation` timing/resume counters
-(seconds, tokens_per_s, batches_generated, batches_reused); train `metrics.jsonl` (tokens/s), `run.json` and
+(seconds, tokens_per_s, batches_generated, batches_reused, new_tokens); train `metrics.jsonl` (tokens/s), `run.json` and
 each checkpoint's `eyas.json` (provenance: argv includes --resume), `plots/`, `tb/`,
 and `train_state.pt` is compared by content (optimizer/scheduler/RNG tensors), not bytes."""
 
@@ -54,7 +54,8 @@ def _check_prepared(out: Path) -> None:
 def _prepared_view(out: Path) -> dict:
     m = json.loads((out / "manifest.json").read_text())
     m.pop("provenance", None)
-    for k in ("seconds", "tokens_per_s", "batches_generated", "batches_reused"):  # wall time / resume counts
+    # wall time and what this invocation generated (a resumed run generates only the rest)
+    for k in ("seconds", "tokens_per_s", "batches_generated", "batches_reused", "new_tokens"):
         (m.get("generation") or {}).pop(k, None)
     return {"manifest": m, **{n: (out / n).read_bytes() for n in ("train.jsonl", "eval.jsonl")}}
 
