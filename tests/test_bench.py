@@ -61,7 +61,9 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     assert len(rep["per_prompt"]) == 2 and "math" in rep["by_category"]
     gap = rep["summary"]["first_draft_gap"]  # no metrics.jsonl next to this checkpoint: no val figure
     assert set(gap) == {"chain", "tree"} and gap["chain"]["val_acc_0"] is None
-    assert gap["chain"]["agreement"] == 1.0 and "First-draft acceptance" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert gap["chain"]["agreement"] == 1.0 and "First-draft acceptance" in md
+    assert f"{summary['prepacked_linears']} linear layers prepacked" in md
 
 
 def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, tmp_path):

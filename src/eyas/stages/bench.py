@@ -376,7 +376,8 @@ def markdown(report: dict) -> str:
     s = report["summary"]
     lines = [f"# eyas bench\n", f"target `{s['target']}`, drafter `{s['drafter']}` (engine {s['engine']}), "
              f"{s['dtype']} on {s['device']}, {s['prompts']} prompts, {s['max_new_tokens']} new tokens, "
-             f"temperature {s['temperature']}, chain k={s['k']}, tree topk,depth,tokens={s['tree']}\n",
+             f"temperature {s['temperature']}, chain k={s['k']}, tree topk,depth,tokens={s['tree']}, "
+             f"{s.get('prepacked_linears', 0)} linear layers prepacked for oneDNN (`--no-prepack`: 0)\n",
              "| method | tok/s | speedup vs plain | acceptance length | target | drafter | overhead |",
              "|---|---|---|---|---|---|---|"]
     for m, st in s["methods"].items():
