@@ -39,14 +39,13 @@ def forward_ms(runners: dict, prompt: torch.Tensor, T: int, repeats: int) -> dic
     return {name: statistics.median(v) * 1000 for name, v in ts.items()}
 
 
-def decoding(models: dict, drafter: str, prompt_files: list[str], limit: int, new_tokens: int,
+def decoding(models: dict, tok, drafter: str, prompt_files: list[str], limit: int, new_tokens: int,
              k: int, tree: str) -> None:
     from pathlib import Path
 
     from eyas.formats.prompts import load_prompt_files
     from eyas.stages import bench
 
-    _, tok = targets.load(targets.resolve(targets.DEFAULT_TARGET), dtype="fp32", device="cpu")
     convs = load_prompt_files([Path(p) for p in prompt_files], flag="--prompts", keywords=())
     items = bench.spread([(c.id, c.category, c.user_turns[0]) for c in convs if c.user_turns], limit)
     runs = {}
@@ -93,7 +92,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
-    model, _ = targets.load(targets.resolve(a.target), dtype="fp32", device="cpu")
+    model, tok = targets.load(targets.resolve(a.target), dtype="fp32", device="cpu")
     packed = copy.deepcopy(model)
     print(f"packed {prepack.prepack(packed)} linear layers")
     aux = targets.default_aux_layers(model.config.num_hidden_layers)
@@ -112,7 +111,8 @@ def main() -> None:
             base = base or u
             print(f"{T:>3} {u:>12.1f} {p:>10.1f} {u / base:>11.2f} {p / base:>9.2f}", flush=True)
         if a.drafter:
-            decoding({"plain": model, "packed": packed}, a.drafter, a.prompts, a.limit, a.max_new_tokens, a.k, a.tree)
+            decoding({"plain": model, "packed": packed}, tok, a.drafter, a.prompts, a.limit, a.max_new_tokens, a.k,
+                     a.tree)
 
 
 if __name__ == "__main__":

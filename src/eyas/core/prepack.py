@@ -6,8 +6,8 @@ weight matrix. With the plain row-major weight, PyTorch's CPU GEMM for more than
 repacks the weight on every call: on a 2-core AVX2 EPYC a SmolLM2-135M forward of 2 tokens
 cost 1.9x one of 1 token, and 6 tokens 2.2x, so verifying drafts was never cheap in fp32.
 With the weights reordered once into oneDNN's blocked layout, 1.2x for both (and 0.9x for
-1 token) of the unpacked 1-token forward (`bench/bench_prepack.py`, README). Inductor's CPU "freezing" and IPEX do
-the same.
+1 token) of the unpacked 1-token forward (`bench/bench_prepack.py`, README). Inductor's CPU
+"freezing" and IPEX do the same.
 
 Only the forward changes: the module keeps its `weight` Parameter (state dicts, tied
 embeddings and Hugging Face `generate()` see the same model), plus a packed copy that is not
@@ -28,7 +28,8 @@ PACK_ROWS = 16  # the row count oneDNN tunes the layout for; measured best for 1
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether this PyTorch build can prepack `dtype` weights on `device` (CPU fp32 only:
-    bf16 packing is untested here and the AMX bf16 path is already fast)."""
+    oneDNN refuses bf16 packing without AVX-512 or AVX-NE-CONVERT, and on the AMX machines
+    that have them bf16 packing was never measured)."""
     return (torch.device(device).type == "cpu" and dtype == torch.float32
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
