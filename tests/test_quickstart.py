@@ -69,7 +69,8 @@ def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
     from eyas.cli import build_parser
 
     parser = build_parser()
-    values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x")}
+    values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x"), "device": "cpu",
+              "regen_batch": qs.REGEN_BATCH["cpu"]}
     values.update({s: str(tmp_path / s) for s in qs.STAGES})
     known = set(parser._subparsers._group_actions[0].choices)
     for stage, template in qs.ARGV.items():
@@ -79,10 +80,11 @@ def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
 
 
 def test_tuple_values_expand_to_several_arguments():
-    argv = qs.fill(qs.ARGV["data"], {**qs.PLANS["medium"].__dict__, "target": "T", "out": "O"})
+    values = {"target": "T", "out": "O", "device": "cpu", "regen_batch": 64}
+    argv = qs.fill(qs.ARGV["data"], {**qs.PLANS["medium"].__dict__, **values})
     i = argv.index("--input")
     assert argv[i + 1:i + 4] == ["builtin-public", "builtin", "--regenerate"]
-    assert qs.fill(qs.ARGV["data"], {**qs.PLANS["small"].__dict__, "target": "T", "out": "O"})[i + 1:i + 3] == [
+    assert qs.fill(qs.ARGV["data"], {**qs.PLANS["small"].__dict__, **values})[i + 1:i + 3] == [
         "builtin", "--regenerate"]
 
 
@@ -101,5 +103,6 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
                         runner=rec)
     with_dtype = [a for a in rec.calls if "--dtype" in a]
     assert len(with_dtype) == 4 and all(a[a.index("--dtype") + 1] == "fp32" for a in with_dtype)
+    assert all(a[a.index("--device") + 1] == "cpu" for a in with_dtype)  # every stage on the one device
     eta = sum(m * f for m, f in zip(minutes[1:], qs.FP32_CPU_SLOWDOWN))
     assert f"about {eta:.0f} min left" in caplog.text and eta > sum(minutes)

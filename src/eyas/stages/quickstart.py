@@ -100,18 +100,19 @@ FP32_CPU_SLOWDOWN = (2.6, 1.0, 3.6, 3.9, 3.0)
 ARGV: dict[str, list[str]] = {
     "data": ["data", "prepare", "--target", "{target}", "--input", "{inputs}", "--regenerate",
              "--limit", "{prompts}", "--max-new-tokens", "{answer_tokens}", "--eval-fraction", "{eval_fraction}",
-             "--max-len", "{max_len}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
+             "--max-len", "{max_len}", "--batch-size", "{regen_batch}", "--device", "{device}", "--dtype", "{dtype}",
+             "--out", "{out}", "--force"],
     "vocab": ["vocab", "build", "--data", "{data}", "--size", "{draft_vocab}", "--target", "{target}",
               "--out", "{out}/vocab.safetensors", "--force"],
-    "capture": ["capture", "--target", "{target}", "--data", "{data}", "--dtype", "{dtype}", "--out", "{out}",
-                "--force"],
+    "capture": ["capture", "--target", "{target}", "--data", "{data}", "--device", "{device}", "--dtype", "{dtype}",
+                "--out", "{out}", "--force"],
     "train": ["train", "--target", "{target}", "--capture", "{capture}", "--vocab", "{vocab}/vocab.safetensors",
               "--epochs", "{train_epochs}", "--max-steps", "{train_max_steps}", "--ttt", "{ttt}",
-              "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--dtype", "{dtype}",
+              "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--device", "{device}", "--dtype", "{dtype}",
               "--aux-gain", "rms", "--out", "{out}", "--force"],  # explicit: runs trained before it are not reused
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
-              "--tree", "{tree}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
+              "--tree", "{tree}", "--device", "{device}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
 }
 
 
@@ -124,6 +125,8 @@ def register(sub) -> None:
                    "TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
+    p.add_argument("--device", default="auto", help="where every stage runs: cpu, cuda, cuda:N or auto (cuda when "
+                   "present, else cpu; default auto); the dtype follows it (bf16 on CUDA)")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -156,23 +159,30 @@ def run_stage_cli(argv: list[str], quiet: bool) -> int:
         return main(argv)
 
 
+# regeneration batch (`data prepare --batch-size`): the CLI's default on a CPU; a GPU decodes a
+# wide batch in about the time of a narrow one
+REGEN_BATCH = {"cpu": 64, "cuda": 256}
+
+
 def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
-                 runner: Callable[[list[str], bool], int] = run_stage_cli) -> dict:
-    """Run (or reuse) every stage; returns {stages: [...], bench: summary or None}."""
+                 runner: Callable[[list[str], bool], int] = run_stage_cli, device: str = "cpu") -> dict:
+    """Run (or reuse) every stage on `device`; returns {stages: [...], bench: summary or None}."""
+    dev = targets.parse_device(device)
     out = Path(out).resolve()
     (out / ".done").mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     tdir = targets.resolve(target)
     fp = targets.fingerprint(tdir)
-    values = {**asdict(plan), "target": str(tdir)}
-    if values["dtype"] == "auto":  # the concrete dtype goes into every argv, hence into the stage hashes
-        values["dtype"] = targets.fast_dtype()
-        log.info("dtype: %s on this machine", values["dtype"])
+    # the concrete device and dtype go into every argv, hence into the stage hashes
+    values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type]}
+    if values["dtype"] == "auto":
+        values["dtype"] = targets.fast_dtype(str(dev))
+        log.info("dtype: %s on %s", values["dtype"], dev)
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
     # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
     # stages take longer (FP32_CPU_SLOWDOWN)
     slow = FP32_CPU_SLOWDOWN if values["dtype"] == "fp32" else (1.0,) * len(FP32_CPU_SLOWDOWN)
-    remaining = [m * f for m, f in zip(plan.minutes[1:], slow)]
+    remaining = [m * f for m, f in zip(plan.minutes[1:], slow)]  # CPU minutes: no estimate on a GPU
     for i, stage in enumerate(STAGES[1:], start=2):
         argv_t = ARGV[stage]
         key = stage_key(stage, fill(argv_t, {**values, "out": "OUT"}), fp)
@@ -187,8 +197,8 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
             continue
         argv = fill(argv_t, {**values, "out": str(sdir)})
         elapsed = (time.perf_counter() - t_start) / 60
-        log.info("[%d/%d] %s (elapsed %.1f min, about %.0f min left): eyas %s", i, len(STAGES), stage,
-                 elapsed, eta, " ".join(argv))
+        left = f"about {eta:.0f} min left" if dev.type == "cpu" else "no estimate on a GPU"
+        log.info("[%d/%d] %s (elapsed %.1f min, %s): eyas %s", i, len(STAGES), stage, elapsed, left, " ".join(argv))
         sdir.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
         code = runner(argv, quiet)
@@ -232,6 +242,6 @@ def table(result: dict) -> str:
 
 
 def run(args) -> int:
-    result = run_pipeline(args.target, args.out, PLANS[args.budget], quiet=bool(args.json))
+    result = run_pipeline(args.target, args.out, PLANS[args.budget], quiet=bool(args.json), device=args.device)
     emit(args, result, table(result))
     return 0

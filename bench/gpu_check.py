@@ -1,0 +1,128 @@
+"""CUDA checks on a real target, for a session that has a GPU (bench/device_run.sh runs it).
+
+Identity: eyas chain and tree greedy decoding in fp32 on the device give exactly the tokens of
+the target's own `generate()` on that device (an independent reference), for every prompt,
+with a trained drafter (--drafter) or a random one with an 8k draft vocabulary.
+Forward cost: one target forward appending T tokens to a KV cache of --context tokens, per
+dtype, median of --repeats (CUDA-synchronised), and as a ratio to the 1-token forward: the
+number that decides how many tokens a verification may carry on that device.
+
+    python bench/gpu_check.py --device cuda --prompts mt.jsonl mbpp.jsonl --limit 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from eyas import runtime, targets
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+from eyas.stages import bench
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drafter_for(model, path: str | None) -> runtime.LoadedDrafter:
+    if path:
+        return runtime.load_drafter(Path(path), model, "eyas", model.dtype)
+    cfg = model.config
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(cfg, 8192, targets.default_aux_layers(cfg.num_hidden_layers)))
+    d.load_target_embedding(model.get_input_embeddings().weight.float().cpu())
+    d = d.to(model.device, model.dtype).eval()
+    ids = torch.arange(d.cfg.draft_vocab_size, device=model.device) + d.d2t
+    return runtime.LoadedDrafter(d, list(d.cfg.aux_layer_ids), True, "strict", ids, "eyas", [])
+
+
+def identity(tdir: Path, device: torch.device, drafter: str | None, prompts: list[dict], new_tokens: int,
+             k: int, tree: str) -> dict:
+    model, tok = targets.load(tdir, dtype="fp32", device=str(device))
+    tr, dr = runtime.runners(model, drafter_for(model, drafter), runtime.Timer(device))
+    eos = bench.eos_ids(model, tok)
+    same = {"chain": 0, "tree": 0}
+    accepted = {"chain": [], "tree": []}
+    with torch.inference_mode():
+        for p in prompts:
+            ids = p["ids"].to(device)
+            ref = model.generate(ids[None], max_new_tokens=new_tokens, do_sample=False, eos_token_id=list(eos),
+                                 pad_token_id=eos[0])[0, ids.shape[0]:].tolist()
+            for m in same:
+                s = runtime.DecodeSettings(method=m, k=k, tree=bench.parse_tree(tree), max_new_tokens=new_tokens,
+                                           eos_ids=tuple(eos))
+                res = runtime.generate(tr, dr, p["ids"], s)
+                same[m] += res.tokens == ref
+                accepted[m] += res.accepted
+                if res.tokens != ref:
+                    print(f"MISMATCH {m} prompt {p['id']}: first difference at "
+                          f"{next((i for i, (a, b) in enumerate(zip(res.tokens, ref)) if a != b), min(len(ref), len(res.tokens)))}")
+    return {m: {"identical": same[m], "prompts": len(prompts),
+                "acceptance_length": 1 + sum(accepted[m]) / max(1, len(accepted[m]))} for m in same}
+
+
+def forward_cost(tdir: Path, device: torch.device, dtype: str, sizes: list[int], context: int,
+                 repeats: int) -> dict[int, float]:
+    model, _ = targets.load(tdir, dtype=dtype, device=str(device))
+    tr, _ = runtime.runners(model, None, runtime.Timer(device))
+    prompt = torch.randint(100, 20000, (context,))
+    ms: dict[int, list[float]] = {T: [] for T in sizes}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for T in sizes:  # sizes interleaved, so clock drift hits them alike
+                tr.reset(context + T + 1)
+                tr.forward(prompt, torch.arange(context), features=False)
+                toks = torch.randint(100, 20000, (T,))
+                sync(device)
+                t0 = time.perf_counter()
+                tr.forward(toks, context + torch.arange(T))
+                sync(device)
+                ms[T].append((time.perf_counter() - t0) * 1000)
+    return {T: statistics.median(v) for T, v in ms.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default=targets.DEFAULT_TARGET)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--drafter", default=None, help="checkpoint directory (default: a random 8k-vocab drafter)")
+    ap.add_argument("--prompts", nargs="+", default=["builtin-eval"])
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--tree", default="4,5,16")
+    ap.add_argument("--sizes", default="1,2,4,8,16,24,32,64", help="forward sizes T ('' to skip)")
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    a = ap.parse_args()
+    device = targets.parse_device(a.device)
+    tdir = targets.resolve(a.target)
+    _, tok = targets.load(tdir)
+    prompts = bench.load_prompts(argparse.Namespace(prompts=a.prompts, data=None, limit=a.limit,
+                                                    max_prompt_tokens=1024), tok)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__}
+    t0 = time.perf_counter()
+    result["identity_fp32"] = identity(tdir, device, a.drafter, prompts, a.max_new_tokens, a.k, a.tree)
+    result["identity_seconds"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(result["identity_fp32"]))
+    sizes = [int(x) for x in a.sizes.split(",") if x]
+    if sizes:
+        result["forward_ms"] = {}
+        for dtype in ("fp32", "bf16"):
+            ms = forward_cost(tdir, device, dtype, sizes, a.context, a.repeats)
+            result["forward_ms"][dtype] = ms
+            print(f"{dtype}: " + "  ".join(f"T={T} {v:.2f} ms ({v / ms[sizes[0]]:.2f}x)" for T, v in ms.items()))
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
