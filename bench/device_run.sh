@@ -43,35 +43,35 @@ if [ "$mode" = tiny ]; then
   T=$W/tiny
   "$PY" -c "import sys; sys.path.insert(0, 'tests'); import tiny; from pathlib import Path; tiny.build_target(Path('$T'))"
   common=(--target "$T" --device "$DEV")
-  step data 120 "${EYAS[@]}" data prepare "${common[@]}" --input builtin --limit 96 --regenerate --max-new-tokens 48 \
+  step data 90 "${EYAS[@]}" data prepare "${common[@]}" --input builtin --limit 96 --regenerate --max-new-tokens 48 \
     --max-len 256 --batch-size 32 --eval-fraction 0.1 --dtype fp32 --out "$W/data" --force
   step vocab 60 "${EYAS[@]}" vocab build --data "$W/data" --size 128 --target "$T" --out "$W/vocab/vocab.safetensors" --force
-  step capture 120 "${EYAS[@]}" capture "${common[@]}" --data "$W/data" --dtype bf16 --out "$W/cap" --force
+  step capture 90 "${EYAS[@]}" capture "${common[@]}" --data "$W/data" --dtype bf16 --out "$W/cap" --force
   tr=(--vocab "$W/vocab/vocab.safetensors" --ttt 3 --batch-tokens 1024 --max-len 256 --eval-every 50 --lr 1e-3)
-  step train 180 "${EYAS[@]}" train "${common[@]}" --capture "$W/cap" "${tr[@]}" --epochs 10 --max-steps 200 --dtype bf16 \
+  step train 120 "${EYAS[@]}" train "${common[@]}" --capture "$W/cap" "${tr[@]}" --epochs 10 --max-steps 200 --dtype bf16 \
     --out "$W/run" --force
-  step train_online 120 "${EYAS[@]}" train "${common[@]}" --online --data "$W/data" "${tr[@]}" --max-steps 20 \
+  step train_online 90 "${EYAS[@]}" train "${common[@]}" --online --data "$W/data" "${tr[@]}" --max-steps 20 \
     --dtype bf16 --out "$W/online" --force
-  step train_ddp 180 "$PY" -m torch.distributed.run --nproc-per-node 1 -m eyas train "${common[@]}" \
+  step train_ddp 90 "$PY" -m torch.distributed.run --nproc-per-node 1 -m eyas train "${common[@]}" \
     --capture "$W/cap" "${tr[@]}" --max-steps 20 --dtype bf16 --out "$W/ddp" --force
-  step train_fsdp 180 "$PY" -m torch.distributed.run --nproc-per-node 1 -m eyas train "${common[@]}" \
+  step train_fsdp 90 "$PY" -m torch.distributed.run --nproc-per-node 1 -m eyas train "${common[@]}" \
     --capture "$W/cap" "${tr[@]}" --max-steps 20 --dtype bf16 --fsdp --out "$W/fsdp" --force
   b=(--drafter "$W/run/final" --prompts builtin-eval --data "$W/data" --limit 8 --max-new-tokens 48 --k 4 --tree 3,4,12)
-  step bench_fp32 180 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype fp32 --out "$W/b32" --force
-  step bench_bf16 180 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype bf16 --out "$W/b16" --force
-  step bench_sample 180 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype fp32 --temperature 0.8 --out "$W/bs" --force
+  step bench_fp32 90 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype fp32 --out "$W/b32" --force
+  step bench_bf16 90 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype bf16 --out "$W/b16" --force
+  step bench_sample 90 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype fp32 --temperature 0.8 --out "$W/bs" --force
   for d in b32 b16 bs; do cp "$W/$d/report.md" "$out/report_$d.md" 2>/dev/null; done
 fi
 
 if [ "$mode" = real ]; then
   step target 300 "${EYAS[@]}" target fetch
-  step gpu_check 200 "$PY" bench/gpu_check.py --device "$DEV" --prompts "$@" --limit 10 --max-new-tokens 64 \
+  step gpu_check 100 "$PY" bench/gpu_check.py --device "$DEV" --prompts "$@" --limit 10 --max-new-tokens 64 \
     --out "$out/gpu_check.json"
   QS=$W/qs
   TAIL=30 step quickstart "${QS_SECONDS:-330}" "${EYAS[@]}" quickstart --budget "${BUDGET:-medium}" --device "$DEV" --out "$QS"
   run=$(ls -d "$QS"/train-*/final 2>/dev/null | head -1)
   if [ -n "$run" ]; then
-    TAIL=25 step bench_mt_mbpp 150 "${EYAS[@]}" bench --device "$DEV" --dtype bf16 --drafter "$run" --prompts "$@" --limit 20 \
+    TAIL=25 step bench_mt_mbpp 80 "${EYAS[@]}" bench --device "$DEV" --dtype bf16 --drafter "$run" --prompts "$@" --limit 20 \
       --max-new-tokens 64 --k 5 --tree 4,5,16 --out "$W/bmt" --force
     cp "$W/bmt/report.md" "$out/report_mt_mbpp.md" 2>/dev/null
     cp "$W/bmt/report.json" "$out/report_mt_mbpp.json" 2>/dev/null
