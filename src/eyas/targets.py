@@ -290,8 +290,39 @@ def info(path: Path) -> dict:
     }
 
 
+# config.json keys that say who wrote the file, not what the model is. The same GGUF converted
+# under transformers 5.17 and 5.19 differed in transformers_version and in tokenizer.json's
+# normalizer / decoder / byte-fallback settings, with the same vocabulary, merges and token ids.
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
+
+
 def fingerprint(path: Path) -> str:
-    """Short stable id of a target: its config and tokenizer files (not the weights)."""
+    """Short stable id of a target: its config (less the keys that name the writer) and its
+    tokenizer's vocabulary, merges and added tokens (not the weights), so one model converted or
+    saved by two library versions keeps one id."""
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer.model", "vocab.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        h.update(name.encode())
+        if name == "config.json":
+            cfg = {k: v for k, v in json.loads(f.read_text()).items() if k not in VOLATILE_CONFIG_KEYS}
+            h.update(json.dumps(cfg, sort_keys=True).encode())
+        elif name == "tokenizer.json":
+            t = json.loads(f.read_text())
+            model = t.get("model") or {}
+            merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges") or []]
+            added = sorted((a.get("id"), a.get("content")) for a in t.get("added_tokens") or [])
+            h.update(json.dumps({"vocab": model.get("vocab"), "merges": merges, "added": added},
+                                sort_keys=True).encode())
+        else:
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _fingerprint_v0(path: Path) -> str:
+    """The id eyas recorded before 2026-11-30 (raw file bytes), still accepted by `same_target`."""
     h = hashlib.sha256()
     for name in ("config.json", "tokenizer.json", "tokenizer.model", "vocab.json"):
         f = path / name
@@ -299,6 +330,11 @@ def fingerprint(path: Path) -> str:
             h.update(name.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def same_target(path: Path, recorded: str | None) -> bool:
+    """Whether a fingerprint recorded in a manifest names the target at `path` (no record: yes)."""
+    return recorded is None or recorded in (fingerprint(path), _fingerprint_v0(path))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

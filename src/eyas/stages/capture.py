@@ -331,7 +331,7 @@ def capture(cfg: CaptureConfig) -> dict:
               "data": str(Path(cfg.data).resolve()), "data_fingerprint": fcap.data_fingerprint(cfg.data),
               "layer_ids": layer_ids, "hidden_size": tcfg.hidden_size, "num_layers": tcfg.num_hidden_layers,
               "dtype": cfg.dtype, "last_state": fcap.LAST_STATE, "shard_mb": cfg.shard_mb}
-    if manifest.get("target_fingerprint") not in (None, common["target_fingerprint"]):
+    if not targets.same_target(path, manifest.get("target_fingerprint")):
         raise EyasError(f"--data {cfg.data} was prepared for target fingerprint {manifest['target_fingerprint']}, "
                         f"not {common['target_fingerprint']} ({path}); prepare the data for this target")
     V = tcfg.vocab_size

@@ -139,7 +139,7 @@ def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], 
         from eyas.formats.data import read_manifest, read_samples
 
         m = read_manifest(args.data)
-        if m.get("target_fingerprint") != fp:
+        if not targets.same_target(tdir, m.get("target_fingerprint") or "none"):
             raise EyasError(f"{args.data}/manifest.json was prepared for target fingerprint "
                             f"{m.get('target_fingerprint')} but --target {tdir} has {fp}; prepare the data "
                             "for this target (eyas data prepare --target ...)")
@@ -153,7 +153,7 @@ def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], 
         reader = CaptureReader(cap)
         reader.open_all()  # a missing or damaged shard fails here, before --out is created
         man = cap / "manifest.json"
-        if reader.target_fingerprint != fp:
+        if not targets.same_target(tdir, reader.target_fingerprint or "none"):
             raise EyasError(f"{man} was captured from target fingerprint {reader.target_fingerprint} but --target "
                             f"{tdir} has {fp}; capture features from this target or pass the matching --target")
         bad = [i for i in reader.layer_ids if not 0 <= i <= L]

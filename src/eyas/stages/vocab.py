@@ -74,7 +74,7 @@ def _target_for(data: Path, manifest: dict, spec: str | None) -> Path:
         raise EyasError(f"--data {data}: its manifest names no target; pass --target")
     path = targets.resolve(spec)
     want = manifest.get("target_fingerprint")
-    if want and targets.fingerprint(path) != want:
+    if want and not targets.same_target(path, want):
         raise EyasError(f"--target {spec} (fingerprint {targets.fingerprint(path)}) is not the target --data {data} "
                         f"was prepared with (fingerprint {want}); pass that target or re-run `eyas data prepare`")
     return path
