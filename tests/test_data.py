@@ -192,6 +192,39 @@ def test_regenerate_resume_is_byte_identical(tiny_target, tmp_path, eyas_cli, mo
     assert two_turn and all([m["role"] for m in s.messages] == ["user", "assistant"] * 2 for s in two_turn)
 
 
+def test_resumed_regeneration_counts_the_turns_cut_in_reused_batches(tiny_target, tmp_path, eyas_cli, monkeypatch):
+    """`turns_cut_for_context` describes the data, so a resumed run reports the cuts made in the
+    batches it reused too (it used to count only its own batches)."""
+    import eyas.regenerate as regen
+
+    mt = str(PROMPTS / "FastChat__mt_bench__question.jsonl")
+    flags = ("--limit", "6", "--max-new-tokens", "250", "--batch-size", "2", "--json")  # 2nd turns overflow 512
+    code, stdout, err = _regen(eyas_cli, tiny_target, [mt], tmp_path / "ref", *flags)
+    assert code == 0, err
+    ref = json.loads(stdout)["regeneration"]
+    want, batches = ref["turns_cut_for_context"], ref["batches_generated"]
+    assert want > 0 and batches >= 2
+
+    real, calls = regen._run_batch, {"n": 0}
+
+    def killed_in_last(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == batches:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(regen, "_run_batch", killed_in_last)
+    assert _regen(eyas_cli, tiny_target, [mt], tmp_path / "run", *flags)[0] == 130
+    done = [json.loads(line) for line in (tmp_path / "run.partial" / "batches.jsonl").read_text().splitlines()]
+    assert len(done) == batches - 1 and sum(r["cut"] for r in done) > 0  # cuts inside the batches to reuse
+    monkeypatch.setattr(regen, "_run_batch", real)
+    code, stdout, err = _regen(eyas_cli, tiny_target, [mt], tmp_path / "run", *flags)
+    assert code == 0, err
+    info = json.loads(stdout)["regeneration"]
+    assert info["batches_reused"] == batches - 1 and info["turns_cut_for_context"] == want
+    assert read_manifest(tmp_path / "run")["generation"]["turns_cut_for_context"] == want
+
+
 def test_regenerate_greedy_is_deterministic_and_stale_work_ignored(tiny_target, tmp_path, eyas_cli):
     inputs = ["builtin"]
     a, b = tmp_path / "a", tmp_path / "b"

@@ -294,14 +294,17 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
             batch = by_len[b * B:(b + 1) * B]
             if b in work.done and work.done[b]["ids"] == [c.id for c in batch]:
                 stats.batches_reused += 1
+                stats.cut_turns += work.done[b].get("cut", 0)  # a property of the data, not of this run
                 bar.update(1)
                 continue
             seed_batch(settings, b)
             t0 = time.perf_counter()
+            cut_before = stats.cut_turns
             answers = _run_batch(model, tokenizer, batch, settings, stop_ids, limit, stats)
             stats.seconds += time.perf_counter() - t0
             stats.batches_done += 1
-            work.append({"batch": b, "ids": [c.id for c in batch], "answers": answers})
+            work.append({"batch": b, "ids": [c.id for c in batch], "answers": answers,
+                         "cut": stats.cut_turns - cut_before})
             bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
             bar.update(1)
     finally:
