@@ -99,10 +99,13 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
     rec = Recorder()
     minutes = (0.0, 10.0, 0.0, 10.0, 10.0, 10.0)
     with caplog.at_level(logging.INFO, logger="eyas.stages.quickstart"):
-        qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": minutes}),
+        qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": minutes,
+                                                                   "tree": "6,6,24"}),
                         runner=rec)
     with_dtype = [a for a in rec.calls if "--dtype" in a]
     assert len(with_dtype) == 4 and all(a[a.index("--dtype") + 1] == "fp32" for a in with_dtype)
     assert all(a[a.index("--device") + 1] == "cpu" for a in with_dtype)  # every stage on the one device
+    bench = next(a for a in rec.calls if a[0] == "bench")
+    assert bench[bench.index("--tree") + 1] == qs.FP32_CPU_TREE  # fp32 on a CPU: the narrower tree
     eta = sum(m * f for m, f in zip(minutes[1:], qs.FP32_CPU_SLOWDOWN))
     assert f"about {eta:.0f} min left" in caplog.text and eta > sum(minutes)

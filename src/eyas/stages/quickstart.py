@@ -162,6 +162,11 @@ def run_stage_cli(argv: list[str], quiet: bool) -> int:
 # regeneration batch (`data prepare --batch-size`): the CLI's default on a CPU; a GPU decodes a
 # wide batch in about the time of a narrow one
 REGEN_BATCH = {"cpu": 64, "cuda": 256}
+# The bench tree where stages run in fp32 on a CPU, instead of a plan's wider one: there a 24-token
+# verification costs about 1.8x a 1-token one. The GPU-trained medium drafter on its 20 held-out
+# prompts (AVX2 EPYC, 2026-11-30, two runs in a row): tree 4,5,16 1.17x plain (acceptance 2.53),
+# 6,6,24 1.05x (2.71); chain 1.22x / 1.20x. On an H200 a 24-token forward cost 1.07x a 1-token one.
+FP32_CPU_TREE = "4,5,16"
 
 
 def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
@@ -178,6 +183,8 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
     if values["dtype"] == "auto":
         values["dtype"] = targets.fast_dtype(str(dev))
         log.info("dtype: %s on %s", values["dtype"], dev)
+    if values["dtype"] == "fp32" and dev.type == "cpu":
+        values["tree"] = FP32_CPU_TREE
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
     # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
     # stages take longer (FP32_CPU_SLOWDOWN)
