@@ -8,6 +8,7 @@ dtype, median of --repeats (CUDA-synchronised), and as a ratio to the 1-token fo
 number that decides how many tokens a verification may carry on that device.
 
     python bench/gpu_check.py --device cuda --prompts mt.jsonl mbpp.jsonl --limit 10
+    python bench/gpu_check.py --device cuda --target DIR --prompts mt.jsonl --profile 32
 """
 
 from __future__ import annotations
@@ -87,12 +88,31 @@ def forward_cost(tdir: Path, device: torch.device, dtype: str, sizes: list[int],
     return {T: statistics.median(v) for T, v in ms.items()}
 
 
+def profile_plain(tdir: Path, device: torch.device, dtype: str, prompt: torch.Tensor, steps: int) -> None:
+    """Top operators of `steps` plain decoding forwards (torch.profiler), to find where a dtype
+    loses time: the tiny target's bf16 decoding on an H200 ran 13x slower than fp32."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = targets.load(tdir, dtype=dtype, device=str(device))
+    tr, _ = runtime.runners(model, None, runtime.Timer(device))
+    s = runtime.DecodeSettings(method="plain", max_new_tokens=steps, eos_ids=())
+    with torch.inference_mode():
+        runtime.generate(tr, None, prompt, s)  # warm-up
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            res = runtime.generate(tr, None, prompt, s)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"--- {dtype}: {len(res.tokens)} tokens in {res.wall_s * 1000:.0f} ms")
+    print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=targets.DEFAULT_TARGET)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--drafter", default=None, help="checkpoint directory (default: a random 8k-vocab drafter)")
-    ap.add_argument("--prompts", nargs="+", default=["builtin-eval"])
+    ap.add_argument("--prompts", nargs="+", default=["builtin-eval"], help="prompt files, or builtin-eval with --data")
+    ap.add_argument("--data", default=None, help="prepared data directory (for --prompts builtin-eval)")
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=5)
@@ -101,12 +121,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="only profile STEPS plain decoding forwards in fp32 and bf16 (top operators)")
     a = ap.parse_args()
     device = targets.parse_device(a.device)
     tdir = targets.resolve(a.target)
     _, tok = targets.load(tdir)
-    prompts = bench.load_prompts(argparse.Namespace(prompts=a.prompts, data=None, limit=a.limit,
+    prompts = bench.load_prompts(argparse.Namespace(prompts=a.prompts, data=a.data, limit=a.limit,
                                                     max_prompt_tokens=1024), tok)
+    if a.profile:
+        for dtype in ("fp32", "bf16"):
+            profile_plain(tdir, device, dtype, prompts[0]["ids"], a.profile)
+        return
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
     t0 = time.perf_counter()
