@@ -36,7 +36,8 @@ def drafter_for(model, path: str | None) -> runtime.LoadedDrafter:
         return runtime.load_drafter(Path(path), model, "eyas", model.dtype)
     cfg = model.config
     torch.manual_seed(0)
-    d = Eagle3Drafter(DrafterConfig.from_target(cfg, 8192, targets.default_aux_layers(cfg.num_hidden_layers)))
+    n = min(8192, cfg.vocab_size)
+    d = Eagle3Drafter(DrafterConfig.from_target(cfg, n, targets.default_aux_layers(cfg.num_hidden_layers)))
     d.load_target_embedding(model.get_input_embeddings().weight.float().cpu())
     d = d.to(model.device, model.dtype).eval()
     ids = torch.arange(d.cfg.draft_vocab_size, device=model.device) + d.d2t
@@ -72,14 +73,15 @@ def forward_cost(tdir: Path, device: torch.device, dtype: str, sizes: list[int],
                  repeats: int) -> dict[int, float]:
     model, _ = targets.load(tdir, dtype=dtype, device=str(device))
     tr, _ = runtime.runners(model, None, runtime.Timer(device))
-    prompt = torch.randint(100, 20000, (context,))
+    V = model.config.vocab_size
+    prompt = torch.randint(0, V, (context,))
     ms: dict[int, list[float]] = {T: [] for T in sizes}
     with torch.inference_mode():
         for _ in range(repeats):
             for T in sizes:  # sizes interleaved, so clock drift hits them alike
                 tr.reset(context + T + 1)
                 tr.forward(prompt, torch.arange(context), features=False)
-                toks = torch.randint(100, 20000, (T,))
+                toks = torch.randint(0, V, (T,))
                 sync(device)
                 t0 = time.perf_counter()
                 tr.forward(toks, context + torch.arange(T))

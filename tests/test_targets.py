@@ -112,14 +112,36 @@ def test_fingerprint_ignores_the_writer_but_not_the_model(tiny_target, tmp_path,
     assert targets._fingerprint_v0(copy) != targets._fingerprint_v0(tiny_target)  # the old id broke here
     assert targets.same_target(copy, targets._fingerprint_v0(copy))
 
-    other = tmp_path / "other"
-    shutil.copytree(tiny_target, other)
-    cfg["rms_norm_eps"] = 1e-5
-    (other / "config.json").write_text(json.dumps(cfg))
-    assert targets.fingerprint(other) != targets.fingerprint(tiny_target)
-    tok["added_tokens"][0]["content"] = "<|renamed|>"
-    (other / "tokenizer.json").write_text(json.dumps(tok))
-    assert not targets.same_target(other, targets.fingerprint(tiny_target))
+    orig_cfg = json.loads((tiny_target / "config.json").read_text())
+    orig_tok = json.loads((tiny_target / "tokenizer.json").read_text())
+
+    def changed(i, cfg=orig_cfg, tok=orig_tok):  # a copy of the target with one thing changed
+        d = tmp_path / f"other{i}"
+        shutil.copytree(tiny_target, d)
+        (d / "config.json").write_text(json.dumps(cfg))
+        (d / "tokenizer.json").write_text(json.dumps(tok))
+        return d
+
+    def edited(f):
+        t = json.loads(json.dumps(orig_tok))
+        f(t)
+        return t
+
+    def rename_token(t):
+        vocab = t["model"]["vocab"]
+        word = next(k for k, v in vocab.items() if v > 100)
+        vocab[word + "x"] = vocab.pop(word)
+
+    variants = [
+        changed(0, cfg={**orig_cfg, "rms_norm_eps": 1e-5}),
+        changed(1, tok=edited(rename_token)),
+        changed(2, tok=edited(lambda t: t["model"]["merges"].append(["Ġ", "t"]))),
+        changed(3, tok=edited(lambda t: t["added_tokens"][0].update(content="<|renamed|>"))),
+    ]
+    assert targets.fingerprint(changed(4)) == targets.fingerprint(tiny_target)  # the copy itself: same id
+    for other in variants:
+        assert not targets.same_target(other, targets.fingerprint(tiny_target)), other.name
+    other = variants[0]
 
     # data prepared with one copy, vocabulary built against the other: accepted
     prompts = tmp_path / "p.jsonl"
@@ -133,3 +155,19 @@ def test_fingerprint_ignores_the_writer_but_not_the_model(tiny_target, tmp_path,
     code, _, err = eyas_cli("vocab", "build", "--data", tmp_path / "d", "--size", "32", "--target", other,
                             "--out", tmp_path / "w.safetensors")
     assert code == 2 and "is not the target" in err
+
+
+@pytest.mark.parametrize("text", ['{"model": ', "[1, 2]", '{"added_tokens": [{"id": 1}]}'])
+def test_malformed_tokenizer_json_exits_2(tiny_target, tmp_path, cli, text):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_target, bad)
+    (bad / "tokenizer.json").write_text(text)
+    code, out, err = cli("target", "info", bad)
+    assert code == 2 and "tokenizer.json" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_devices_other_than_cpu_and_cuda_exit_2(cli, tmp_path):
+    code, _, err = cli("quickstart", "--device", "meta", "--out", tmp_path / "q")
+    assert code == 2 and "cpu or cuda" in err and not (tmp_path / "q").exists()

@@ -27,7 +27,7 @@ from eyas.errors import EyasError
 from eyas.formats.prompts import Conversation, dedup_key
 
 log = logging.getLogger(__name__)
-WORK_VERSION = 2
+WORK_VERSION = 3  # 3: each batch record carries its `cut` count
 
 
 @dataclass(frozen=True)

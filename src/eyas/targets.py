@@ -102,6 +102,8 @@ def parse_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError as e:
         raise EyasError(f"--device {name!r} is not a device; use cpu, cuda, cuda:N or auto") from e
+    if device.type not in ("cpu", "cuda"):
+        raise EyasError(f"--device {name}: eyas runs on cpu or cuda; use cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EyasError(f"--device {name} requested but CUDA is not available; use --device cpu")
     return device
@@ -306,18 +308,23 @@ def fingerprint(path: Path) -> str:
         if not f.is_file():
             continue
         h.update(name.encode())
-        if name == "config.json":
-            cfg = {k: v for k, v in json.loads(f.read_text()).items() if k not in VOLATILE_CONFIG_KEYS}
-            h.update(json.dumps(cfg, sort_keys=True).encode())
-        elif name == "tokenizer.json":
-            t = json.loads(f.read_text())
-            model = t.get("model") or {}
-            merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges") or []]
-            added = sorted((a.get("id"), a.get("content")) for a in t.get("added_tokens") or [])
-            h.update(json.dumps({"vocab": model.get("vocab"), "merges": merges, "added": added},
-                                sort_keys=True).encode())
-        else:
+        if name not in ("config.json", "tokenizer.json"):
             h.update(f.read_bytes())
+            continue
+        try:
+            d = json.loads(f.read_bytes())
+            if name == "config.json":
+                h.update(json.dumps({k: v for k, v in d.items() if k not in VOLATILE_CONFIG_KEYS},
+                                    sort_keys=True).encode())
+            else:
+                model = d.get("model") or {}
+                merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges") or []]
+                added = sorted((a["id"], a["content"]) for a in d.get("added_tokens") or [])
+                h.update(json.dumps({"vocab": model.get("vocab"), "merges": merges, "added": added},
+                                    sort_keys=True).encode())
+        except (ValueError, AttributeError, TypeError, KeyError) as e:  # JSONDecodeError, bad UTF-8 are ValueErrors
+            raise EyasError(f"target {f}: not a valid {name} ({type(e).__name__}: {e}); re-save the "
+                            "target with save_pretrained") from e
     return h.hexdigest()[:16]
 
 
