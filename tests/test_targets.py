@@ -111,6 +111,11 @@ def test_fingerprint_ignores_the_writer_but_not_the_model(tiny_target, tmp_path,
     assert targets.fingerprint(copy) == targets.fingerprint(tiny_target)
     assert targets._fingerprint_v0(copy) != targets._fingerprint_v0(tiny_target)  # the old id broke here
     assert targets.same_target(copy, targets._fingerprint_v0(copy))
+    before = targets.fingerprint(copy)  # the id is kept per directory, until a file changes
+    (copy / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))
+    assert targets.fingerprint(copy) != before
+    (copy / "config.json").write_text(json.dumps(cfg, indent=4))
+    assert targets.fingerprint(copy) == before
 
     orig_cfg = json.loads((tiny_target / "config.json").read_text())
     orig_tok = json.loads((tiny_target / "tokenizer.json").read_text())

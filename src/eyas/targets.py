@@ -9,6 +9,7 @@ anywhere in the package, and a hub id with no local files is an error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -298,15 +299,25 @@ def info(path: Path) -> dict:
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path")
 
 
+FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def fingerprint(path: Path) -> str:
     """Short stable id of a target: its config (less the keys that name the writer) and its
     tokenizer's vocabulary, merges and added tokens (not the weights), so one model converted or
-    saved by two library versions keeps one id."""
+    saved by two library versions keeps one id. Parsing SmolLM2's tokenizer.json takes ~0.5 s, and
+    a stage asks several times, so the id is kept per directory until one of its files changes."""
+    path = Path(path).resolve()
+    stats = tuple((n, st.st_mtime_ns, st.st_size) for n in FINGERPRINT_FILES
+                  if (path / n).is_file() and (st := (path / n).stat()))
+    return _fingerprint(path, stats)
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(path: Path, stats: tuple) -> str:
     h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer.model", "vocab.json"):
+    for name, _, _ in stats:
         f = path / name
-        if not f.is_file():
-            continue
         h.update(name.encode())
         if name not in ("config.json", "tokenizer.json"):
             h.update(f.read_bytes())
@@ -331,7 +342,7 @@ def fingerprint(path: Path) -> str:
 def _fingerprint_v0(path: Path) -> str:
     """The id eyas recorded before 2026-11-30 (raw file bytes), still accepted by `same_target`."""
     h = hashlib.sha256()
-    for name in ("config.json", "tokenizer.json", "tokenizer.model", "vocab.json"):
+    for name in FINGERPRINT_FILES:
         f = path / name
         if f.is_file():
             h.update(name.encode())
@@ -341,7 +352,7 @@ def _fingerprint_v0(path: Path) -> str:
 
 def same_target(path: Path, recorded: str | None) -> bool:
     """Whether a fingerprint recorded in a manifest names the target at `path` (no record: yes)."""
-    return recorded is None or recorded in (fingerprint(path), _fingerprint_v0(path))
+    return recorded is None or recorded == fingerprint(path) or recorded == _fingerprint_v0(path)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -22,6 +22,7 @@ from eyas.formats.prompts import Conversation
 from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance
 
 log = logging.getLogger(__name__)
+REGEN_BATCH = 64  # prompts per regeneration batch on a CPU (`--batch-size` default)
 
 EPILOG = """\
 input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each optionally .gz):
@@ -81,8 +82,8 @@ def register(sub) -> None:
     q.add_argument("--eval-fraction", type=float, default=0.05, help="share of ids hashed into eval (default 0.05)")
     q.add_argument("--regenerate", action="store_true", help="let the target write all assistant turns")
     q.add_argument("--max-new-tokens", type=int, default=None, help="per answer, with --regenerate (default 256)")
-    q.add_argument("--batch-size", type=int, default=None, help="prompts per batch, with --regenerate (default 64; "
-                   "rows leave the batch as they finish)")
+    q.add_argument("--batch-size", type=int, default=None, help="prompts per batch, with --regenerate "
+                   f"(default {REGEN_BATCH}; rows leave the batch as they finish)")
     q.add_argument("--temperature", type=float, default=None, help="0 = greedy (default), with --regenerate")
     q.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     q.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
@@ -118,7 +119,7 @@ def _check_args(args) -> None:
         if given:
             raise EyasError(f"{given[0]} only applies to --regenerate; add --regenerate or drop {given[0]}")
     args.max_new_tokens = 256 if args.max_new_tokens is None else args.max_new_tokens
-    args.batch_size = 64 if args.batch_size is None else args.batch_size
+    args.batch_size = REGEN_BATCH if args.batch_size is None else args.batch_size
     args.temperature = 0.0 if args.temperature is None else args.temperature
     if args.max_new_tokens <= 0:
         raise EyasError(f"--max-new-tokens {args.max_new_tokens}: must be positive, e.g. 256")

@@ -24,6 +24,7 @@ from typing import Callable
 
 from eyas import targets
 from eyas.errors import EyasError
+from eyas.stages import data as data_stage
 from eyas.stages.common import add_json_flag, emit, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def run_stage_cli(argv: list[str], quiet: bool) -> int:
 
 # regeneration batch (`data prepare --batch-size`): the CLI's default on a CPU; a GPU decodes a
 # wide batch in about the time of a narrow one
-REGEN_BATCH = {"cpu": 64, "cuda": 256}
+REGEN_BATCH = {"cpu": data_stage.REGEN_BATCH, "cuda": 256}
 # The bench tree where stages run in fp32 on a CPU, instead of a plan's wider one: there a 24-token
 # verification costs about 1.8x a 1-token one. The GPU-trained medium drafter on its 20 held-out
 # prompts (AVX2 EPYC, 2026-11-30, two runs in a row): tree 4,5,16 1.17x plain (acceptance 2.53),
