@@ -6,9 +6,10 @@
 #       vocab build, capture (bf16), train offline (bf16), train --online, train under torchrun
 #       (NCCL; DDP and --fsdp), bench fp32 (chain/tree output must equal plain greedy), bench bf16,
 #       bench with sampling, then a profile of plain decoding in fp32 and bf16 (gpu_check.py --profile)
+#       and bf16 decoding/regeneration speed with cuDNN attention on and off (gpu_check.py --decode)
 #   bench/device_run.sh real OUT PROMPTS...
 #       the built-in target on cuda: bench/gpu_check.py (fp32 chain/tree output vs the target's own
-#       generate(), forward cost by size in fp32 and bf16), `eyas quickstart --budget $BUDGET
+#       generate(), forward cost by size in fp32 and bf16; then --decode), `eyas quickstart --budget $BUDGET
 #       --device cuda`, then `eyas bench` of its drafter on PROMPTS (bf16)
 #
 # Each step has a time limit and a log OUT/<step>.log; a failed step does not stop the next. At the
@@ -68,6 +69,8 @@ if [ "$mode" = tiny ]; then
   step bench_sample 90 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype fp32 --temperature 0.8 --out "$W/bs" --force
   step profile 120 "$PY" bench/gpu_check.py --device "$DEV" --target "$T" --prompts builtin-eval --data "$W/data" \
     --profile 32
+  step decode 120 "$PY" bench/gpu_check.py --device "$DEV" --target "$T" --prompts builtin-eval --data "$W/data" \
+    --limit 32 --decode 48
   for d in b32 b16 bs; do cp "$W/$d/report.md" "$out/report_$d.md" 2>/dev/null; done
 fi
 
@@ -75,6 +78,7 @@ if [ "$mode" = real ]; then
   step target 300 "${EYAS[@]}" target fetch smollm2-135m
   step gpu_check 100 "$PY" bench/gpu_check.py --device "$DEV" --prompts "$@" --limit 10 --max-new-tokens 64 \
     --out "$out/gpu_check.json"
+  step decode 120 "$PY" bench/gpu_check.py --device "$DEV" --prompts "$@" --limit 32 --decode 64
   QS=$W/qs
   TAIL=30 step quickstart "${QS_SECONDS:-330}" "${EYAS[@]}" quickstart --budget "${BUDGET:-medium}" --device "$DEV" --out "$QS"
   run=$(ls -d "$QS"/train-*/final 2>/dev/null | head -1)

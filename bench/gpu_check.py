@@ -6,9 +6,12 @@ with a trained drafter (--drafter) or a random one with an 8k draft vocabulary.
 Forward cost: one target forward appending T tokens to a KV cache of --context tokens, per
 dtype, median of --repeats (CUDA-synchronised), and as a ratio to the 1-token forward: the
 number that decides how many tokens a verification may carry on that device.
+Decode (--decode STEPS): plain decoding and batched regeneration in bf16 with torch's cuDNN
+attention allowed and disallowed (eyas disallows it on CUDA: `targets.avoid_cudnn_attention`).
 
     python bench/gpu_check.py --device cuda --prompts mt.jsonl mbpp.jsonl --limit 10
     python bench/gpu_check.py --device cuda --target DIR --prompts mt.jsonl --profile 32
+    python bench/gpu_check.py --device cuda --target DIR --prompts mt.jsonl --decode 64
 """
 
 from __future__ import annotations
@@ -108,6 +111,39 @@ def profile_plain(tdir: Path, device: torch.device, dtype: str, prompt: torch.Te
     print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
 
 
+def decode_speed(tdir: Path, device: torch.device, prompts: list[dict], steps: int) -> dict:
+    """Tokens/s of plain decoding (first prompt) and of `regenerate.decode_batch` (up to 32
+    prompts) in bf16, cuDNN attention on and off. Each setting first warms up on shapes the timed
+    run never meets (cuDNN keeps a plan per shape, so a repeated shape would hide its cost)."""
+    from eyas import regenerate
+
+    model, _ = targets.load(tdir, dtype="bf16", device=str(device))
+    tr, _ = runtime.runners(model, None, runtime.Timer(device))
+    prompt = prompts[0]["ids"]
+    batch = [p["ids"].tolist() for p in prompts[:32]]
+    out = {}
+    with torch.inference_mode():
+        for cudnn in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(cudnn)
+            runtime.generate(tr, None, prompt[:5], runtime.DecodeSettings(method="plain", max_new_tokens=4, eos_ids=()))
+            regenerate.decode_batch(model, [b[:5] for b in batch[:2]], 4, [])
+            sync(device)
+            t0 = time.perf_counter()
+            res = runtime.generate(tr, None, prompt, runtime.DecodeSettings(method="plain", max_new_tokens=steps,
+                                                                            eos_ids=()))
+            sync(device)
+            plain = len(res.tokens) / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            rows = regenerate.decode_batch(model, batch, steps, [])
+            sync(device)
+            regen = sum(map(len, rows)) / (time.perf_counter() - t0)
+            key = "cudnn_on" if cudnn else "cudnn_off"
+            out[key] = {"plain_tok_s": round(plain, 1), "regen_tok_s": round(regen, 1), "regen_rows": len(batch)}
+            print(f"bf16 {key}: plain {plain:.1f} tok/s, regeneration of {len(batch)} rows {regen:.1f} tok/s")
+    targets.avoid_cudnn_attention()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=targets.DEFAULT_TARGET)
@@ -125,6 +161,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="only profile STEPS plain decoding forwards in fp32 and bf16 (top operators)")
+    ap.add_argument("--decode", type=int, default=0, metavar="STEPS",
+                    help="only time STEPS steps of bf16 plain decoding and regeneration, cuDNN attention on and off")
     a = ap.parse_args()
     device = targets.parse_device(a.device)
     tdir = targets.resolve(a.target)
@@ -134,6 +172,9 @@ def main() -> None:
     if a.profile:
         for dtype in ("fp32", "bf16"):
             profile_plain(tdir, device, dtype, prompts[0]["ids"], a.profile)
+        return
+    if a.decode:
+        print(json.dumps(decode_speed(tdir, device, prompts, a.decode)))
         return
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}

@@ -176,3 +176,21 @@ def test_malformed_tokenizer_json_exits_2(tiny_target, tmp_path, cli, text):
 def test_devices_other_than_cpu_and_cuda_exit_2(cli, tmp_path):
     code, _, err = cli("quickstart", "--device", "meta", "--out", tmp_path / "q")
     assert code == 2 and "cpu or cuda" in err and not (tmp_path / "q").exists()
+
+
+def test_cuda_devices_keep_sdpa_off_cudnn(monkeypatch):
+    """cuDNN attention builds a plan per new key length, i.e. per decoding step: every stage's
+    `--device cuda` goes through parse_device, which turns that backend off."""
+    import torch
+
+    from eyas import targets
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert targets.parse_device("cpu").type == "cpu" and torch.backends.cuda.cudnn_sdp_enabled()
+        assert targets.parse_device("cuda:1") == torch.device("cuda:1")
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

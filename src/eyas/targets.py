@@ -107,7 +107,21 @@ def parse_device(name: str) -> torch.device:
         raise EyasError(f"--device {name}: eyas runs on cpu or cuda; use cpu, cuda, cuda:N or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EyasError(f"--device {name} requested but CUDA is not available; use --device cpu")
+    if device.type == "cuda":
+        avoid_cudnn_attention()
     return device
+
+
+def avoid_cudnn_attention() -> None:
+    """Keep torch's sdpa off its cuDNN backend, process-wide (flash, memory-efficient and math
+    remain). On sm90/sm100 with a recent cuDNN, torch puts cuDNN first for bf16/fp16 and
+    builds one cuDNN execution plan per new (batch, query length, key length) shape, cached
+    and never reused by the next decoding step, whose key length is one longer. Decoding,
+    batched regeneration and variable-length training batches meet a new shape almost every
+    call. The suspected cause of the tiny target's bf16 decoding at 26 tok/s against 338 in fp32
+    (which cuDNN does not serve) on an H200 with torch 2.11; `bench/gpu_check.py --decode`
+    times both settings. `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` is torch's own switch for this."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 # ---------------------------------------------------------------- resolving and fetching
