@@ -108,9 +108,16 @@ def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
     code, out, err = eyas_cli("train", "--out", tmp_path / "b", *args)
     assert code == 2 and "--resume" in err  # never silently overwrites a run
     monkeypatch.setattr(training, "STEP_HOOKS", [])
+    measured = json.loads((tmp_path / "b" / "run.json").read_text())["init"]["aux_gain"]
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a resume takes the aux gain from its checkpoint")
+
+    monkeypatch.setattr(training, "aux_rms", no_measuring)
     code, out, err = eyas_cli("train", "--out", tmp_path / "b", "--resume", "--json", *args)
     assert code == 0, err
     assert json.loads(out)["resumed_from"] == 4
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["init"]["aux_gain"] == measured
     state = torch.load(tmp_path / "b" / "checkpoints" / "step-6" / training.STATE_FILE, weights_only=True)
     assert state["aux_gain"].min() > 1  # the gained path was resumed (tiny aux channels: RMS ~0.02)
     wa, wb = _weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final")

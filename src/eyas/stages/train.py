@@ -292,6 +292,15 @@ def _trim_metrics(out: Path, step: int) -> None:
         f.write_text("".join(ln + "\n" for ln in keep))
 
 
+def _recorded_gain(out: Path) -> dict:
+    """The aux gain record of the run being resumed (run.json), so a resume neither measures it
+    again (64k tokens of features; with --online, target forwards) nor forgets how it was made."""
+    try:
+        return {"aux_gain": json.loads((out / "run.json").read_text())["init"]["aux_gain"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"aux_gain": "restored from the checkpoint's training state"}
+
+
 def run_train(args) -> int:
     from eyas import training
 
@@ -323,7 +332,9 @@ def run_train(args) -> int:
                                seed=args.seed, dtype=args.dtype, device=str(device), warmup_ratio=args.warmup_ratio,
                                grad_clip=args.grad_clip, weight_decay=args.weight_decay, keep_last=args.keep_last,
                                fsdp=args.fsdp, aux_gain=args.aux_gain == "rms", align_topk=args.align_topk)
-    if cfg.aux_gain:
+    if cfg.aux_gain and args.resume and training.checkpoint_steps(args.out):
+        init_info.update(_recorded_gain(args.out))  # the gain itself comes with the checkpoint's state
+    elif cfg.aux_gain:
         init_info.update(training.apply_aux_gain(drafter, source, keep_function=bool(args.init_from)))
     _prepare_out(args, dist_)
     from eyas.formats.vocab import vocab_fingerprint
