@@ -52,6 +52,7 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     assert summary["mismatches_vs_plain"]["hf"] == 0
     packable = prepack.supported(torch.float32, "cpu")  # target and drafter linears prepacked (fp32 CPU)
     assert (summary["prepacked_linears"] > 0) == packable
+    assert summary["drafter_weights"] == ("fp16" if prepack.fp16_supported("cpu") else "float32")
     for m in ("chain", "tree"):
         st = summary["methods"][m]
         assert st["acceptance_length"] >= 1.0 and len(st["acceptance_by_position"]) >= 1

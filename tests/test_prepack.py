@@ -60,3 +60,32 @@ def test_only_fp32_cpu_models_are_packed():
     assert prepack.prepack(m) == 0
     assert type(m[0]) is nn.Linear
     assert not prepack.supported(torch.float32, "cuda")
+
+
+@pytest.mark.skipif(not prepack.fp16_supported("cpu"), reason="no fbgemm fp16 linear in this build")
+def test_fp16_linear_keeps_precision_in_quiet_columns():
+    """A drafter's fc.weight holds the aux gain folded in: some columns 2^-11 or less of the others,
+    fed by inputs as much larger. Per-column power-of-two scaling keeps fp16's relative precision
+    there; plain fp16 weights would fall into its subnormal range (checked below)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=True)
+    quiet = torch.arange(64) % 2 == 0
+    with torch.no_grad():
+        lin.weight[:, quiet] *= 2.0 ** -15
+    x = torch.randn(5, 3, 64)
+    x[..., quiet] *= 2.0 ** 15
+    f16 = prepack.Fp16Linear.from_linear(lin)
+    assert f16.weight is lin.weight and f16.bias is lin.bias and f16.state_dict().keys() == lin.state_dict().keys()
+    with torch.no_grad():
+        want = lin(x)
+        torch.testing.assert_close(f16(x), want, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(f16(x[:, 1]), want[:, 1], rtol=2e-3, atol=2e-3)  # non-contiguous rows
+        naive = x @ lin.weight.half().float().T + lin.bias  # fp16 weights without the column scaling
+    assert (naive - want).abs().max() > 10 * (f16(x) - want).abs().max()
+
+
+@pytest.mark.skipif(not prepack.fp16_supported("cpu"), reason="no fbgemm fp16 linear in this build")
+def test_fp16_packing_of_a_drafter_counts_its_linears():
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    assert prepack.prepack(m, weights="fp16") == 2 and isinstance(m[2], prepack.Fp16Linear)
+    assert prepack.prepack(nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16), weights="fp16") == 0

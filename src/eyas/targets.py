@@ -82,9 +82,10 @@ def fast_dtype(device: str = "cpu") -> str:
     return "bf16" if any(f() for f in native) else "fp32"
 
 
-def prepack_for_decoding(model) -> int:
-    """Prepack an fp32 CPU model's linear weights for few-row forwards (`core.prepack`) when
-    the packed copies take at most half of the memory available now; returns how many."""
+def prepack_for_decoding(model, weights: str = "fp32") -> int:
+    """Prepack an fp32 CPU model's linear weights for few-row forwards (`core.prepack`; fp16
+    weights for a drafter) when the packed copies take at most half of the memory available
+    now; returns how many."""
     from eyas.core import prepack
 
     try:
@@ -92,7 +93,7 @@ def prepack_for_decoding(model) -> int:
             avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return prepack.prepack(model, budget_bytes=avail // 2)
+    return prepack.prepack(model, budget_bytes=avail // 2, weights=weights)
 
 
 def parse_device(name: str) -> torch.device:
