@@ -109,3 +109,25 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
     assert bench[bench.index("--tree") + 1] == qs.FP32_CPU_TREE  # fp32 on a CPU: the narrower tree
     eta = sum(m * f for m, f in zip(minutes[1:], qs.FP32_CPU_SLOWDOWN))
     assert f"about {eta:.0f} min left" in caplog.text and eta > sum(minutes)
+
+
+def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatch, caplog):
+    """Where the stages run in fp32 on a CPU, a plan with an `fp32_cpu` variant runs that variant
+    (its own sizes in every argv, its own minutes in the ETA); with native bf16 it runs itself."""
+    import logging
+
+    from eyas import targets
+
+    small = qs.Plan(**{**PLAN.__dict__, "prompts": 3, "draft_vocab": 16, "minutes": (0, 1, 0, 1, 1, 1)})
+    plan = qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": (0, 9, 0, 9, 9, 9), "fp32_cpu": small})
+    for fast, prompts, vocab in (("fp32", "3", "16"), ("bf16", "4", "32")):
+        monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu", fast=fast: fast)
+        rec = Recorder()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="eyas.stages.quickstart"):
+            qs.run_pipeline(str(tiny_target), tmp_path / fast, plan, runner=rec)
+        data, vocab_argv = rec.calls[0], rec.calls[1]
+        assert data[data.index("--limit") + 1] == prompts and data[data.index("--dtype") + 1] == fast
+        assert vocab_argv[vocab_argv.index("--size") + 1] == vocab
+        assert ("about 3 min left" if fast == "fp32" else "about 36 min left") in caplog.text
+    assert qs.PLANS["small"].fp32_cpu is qs.FP32_CPU_SMALL

@@ -49,7 +49,17 @@ class Plan:
     minutes: tuple[float, ...] = (0.2, 6, 0.2, 1, 6, 4)
     inputs: tuple[str, ...] = ("builtin",)  # `eyas data prepare --input`
     tree: str = "4,5,16"  # `eyas bench --tree`
+    # the plan to run instead where the stages run in fp32 on a CPU (no native bf16), sized for
+    # that machine; its `minutes` are that machine's own
+    fp32_cpu: Plan | None = None
 
+
+# `small` where every stage runs in fp32 on a CPU without native bf16, sized to finish within 20
+# minutes on a 2-core AVX2 EPYC: about half the prompts, 3 epochs, a 4k draft vocabulary (the draft
+# head is half of a training step's work at 8k), shorter bench answers.
+FP32_CPU_SMALL = Plan(prompts=360, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=4096,
+                      train_epochs=3, train_max_steps=800, ttt=5, batch_tokens=2048, bench_prompts=10,
+                      bench_new_tokens=48, minutes=(0.2, 5.5, 0.1, 2.6, 7.0, 2.9))
 
 PLANS = {
     # small, measured on this 2-core CPU (bf16, quiet machine): 200 prompts x 128 tokens, 3 epochs
@@ -61,9 +71,11 @@ PLANS = {
     # training, tree acceptance 1.87 (about 15.7 min in all). With eyas's own batched regeneration
     # (4.4x generate()'s tokens/s) 700 prompts took 14.4 min (data 4.1, capture 1.4, train 7.7 for
     # 345 steps, bench 1.2); tree acceptance 2.09, 1.19x plain.
+    # On a 2-core AVX2 EPYC (fp32, prepacked decoding) that plan took about 50 min (data 10.7,
+    # capture 5.0, train 30.3 at 355 tok/s, bench 3.6), so there `small` runs FP32_CPU_SMALL.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=800, ttt=5, batch_tokens=2048, bench_prompts=10,
-                  bench_new_tokens=64, minutes=(0.2, 4.2, 0.1, 1.4, 7.8, 1.2)),
+                  bench_new_tokens=64, minutes=(0.2, 4.2, 0.1, 1.4, 7.8, 1.2), fp32_cpu=FP32_CPU_SMALL),
     # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
     # eyas/data/PUBLIC_PROMPTS.md), all answered by the target, 3 epochs in one cosine schedule at
     # 4096-token batches. Measured: 78.7 min (data 31.5, capture 7.0, train 36.1 for 741 steps, bench
@@ -121,7 +133,8 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: ~15 min on 2 CPU cores (700 generated prompts); medium: ~75 min there (3,600 "
+                   help="small: ~15 min on 2 CPU cores with native bf16 (700 generated prompts; 360 and under 20 "
+                   "min where the stages run in fp32); medium: ~75 min there (3,600 "
                    "generated + public prompts, 3 epochs); large: the same prompts, longer answers, 32k vocab, "
                    "TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
@@ -179,17 +192,22 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
     t_start = time.perf_counter()
     tdir = targets.resolve(target)
     fp = targets.fingerprint(tdir)
+    dtype = targets.fast_dtype(str(dev)) if plan.dtype == "auto" else plan.dtype
+    log.info("dtype: %s on %s", dtype, dev)
+    fp32_cpu = dtype == "fp32" and dev.type == "cpu"
+    # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
+    # stages take longer (FP32_CPU_SLOWDOWN), unless the plan has a variant sized for such a CPU
+    slow = FP32_CPU_SLOWDOWN if fp32_cpu else (1.0,) * len(FP32_CPU_SLOWDOWN)
+    if fp32_cpu and plan.fp32_cpu is not None:
+        plan, slow = plan.fp32_cpu, (1.0,) * len(FP32_CPU_SLOWDOWN)
+        log.info("fp32 on a CPU: the plan sized for it (%d prompts, %d epochs, %d-token draft vocabulary)",
+                 plan.prompts, plan.train_epochs, plan.draft_vocab)
     # the concrete device and dtype go into every argv, hence into the stage hashes
-    values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type]}
-    if values["dtype"] == "auto":
-        values["dtype"] = targets.fast_dtype(str(dev))
-        log.info("dtype: %s on %s", values["dtype"], dev)
-    if values["dtype"] == "fp32" and dev.type == "cpu":
+    values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type],
+              "dtype": dtype}
+    if fp32_cpu:
         values["tree"] = FP32_CPU_TREE
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
-    # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
-    # stages take longer (FP32_CPU_SLOWDOWN)
-    slow = FP32_CPU_SLOWDOWN if values["dtype"] == "fp32" else (1.0,) * len(FP32_CPU_SLOWDOWN)
     remaining = [m * f for m, f in zip(plan.minutes[1:], slow)]  # CPU minutes: no estimate on a GPU
     for i, stage in enumerate(STAGES[1:], start=2):
         argv_t = ARGV[stage]
