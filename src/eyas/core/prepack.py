@@ -96,6 +96,8 @@ def prepack(model: nn.Module, budget_bytes: int | None = None, weights: str = "f
     when `supported`) or an `Fp16Linear` (`"fp16"`, drafters only, when `fp16_supported`) if
     the packed copies fit in `budget_bytes`; returns how many were packed (0 = model
     unchanged)."""
+    if weights not in ("fp32", "fp16"):
+        raise ValueError(f"weights={weights!r}: fp32 or fp16")
     p = next(model.parameters())
     ok = supported(p.dtype, p.device) if weights == "fp32" else p.dtype == torch.float32 and fp16_supported(p.device)
     if not ok:

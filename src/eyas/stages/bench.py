@@ -59,7 +59,7 @@ def register(sub) -> None:
                    "the target (and so of every method, hf and pld included) is prepacked once for oneDNN, and the "
                    "drafter's is copied to fp16 for fbgemm (drafts are verified by the fp32 target, so outputs do "
                    "not change); on a 2-core AVX2 CPU that made plain decoding 1.15x and chain 1.46x faster, and "
-                   "the fp16 drafter chain another 1.12x (README)")
+                   "the fp16 drafter another 1.04-1.12x (README)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's). On a shared CPU, 1 avoids "
                    "OpenMP stalls that slow multi-token forwards by 10-100x")
     p.add_argument("--limit", type=int, help="use N prompts, taken round-robin across categories in file order")
