@@ -138,10 +138,10 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: ~15 min on 2 CPU cores with native bf16 (700 generated prompts; 360 and under 20 "
-                   "min where the stages run in fp32); medium: ~75 min there (3,600 "
-                   "generated + public prompts, 3 epochs); large: the same prompts, longer answers, 32k vocab, "
-                   "TTT 7, sized for a GPU")
+                   help="small: ~15 min on 2 CPU cores with native bf16 (700 generated prompts); where the "
+                   "stages run in fp32 on a CPU, a plan sized for that: 360 prompts, ~18 min on a 2-core AVX2 CPU; "
+                   "medium: ~75 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
+                   "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
     p.add_argument("--device", default="auto", help="where every stage runs: cpu, cuda, cuda:N or auto (cuda when "
