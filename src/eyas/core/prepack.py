@@ -47,15 +47,24 @@ def fp16_supported(device: torch.device | str) -> bool:
             and hasattr(torch.ops.quantized, "linear_prepack_fp16"))
 
 
+def _sharing(cls: type[nn.Linear], lin: nn.Linear) -> nn.Linear:
+    """A `cls` module over `lin`'s own weight and bias Parameters (ties stay tied, state dicts
+    unchanged), without allocating weights of its own."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = lin.in_features, lin.out_features
+    new.weight, new.bias = lin.weight, lin.bias
+    return new
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` whose forward uses a oneDNN-packed copy of its weight."""
 
+    COPY_BYTES = 4  # per weight element
+
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> PackedLinear:
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = lin.in_features, lin.out_features
-        new.weight, new.bias = lin.weight, lin.bias  # the same Parameters: ties stay tied
+        new = _sharing(cls, lin)
         new.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), PACK_ROWS),
                             persistent=False)
         return new
@@ -72,12 +81,11 @@ class Fp16Linear(nn.Linear):
     drafter's fc.weight carries the aux gain folded in (columns down to ~2^-11 of the others),
     which plain fp16 would push into its subnormal range."""
 
+    COPY_BYTES = 2
+
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Fp16Linear:
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = lin.in_features, lin.out_features
-        new.weight, new.bias = lin.weight, lin.bias
+        new = _sharing(cls, lin)
         w = lin.weight.detach().float()
         peak = w.abs().amax(0)
         scale = torch.where(peak > 0, torch.exp2(torch.round(torch.log2(peak))), torch.ones_like(peak))
@@ -96,20 +104,21 @@ def prepack(model: nn.Module, budget_bytes: int | None = None, weights: str = "f
     when `supported`) or an `Fp16Linear` (`"fp16"`, drafters only, when `fp16_supported`) if
     the packed copies fit in `budget_bytes`; returns how many were packed (0 = model
     unchanged)."""
-    if weights not in ("fp32", "fp16"):
+    kinds = {"fp32": PackedLinear, "fp16": Fp16Linear}
+    if weights not in kinds:
         raise ValueError(f"weights={weights!r}: fp32 or fp16")
+    kind = kinds[weights]
     p = next(model.parameters())
     ok = supported(p.dtype, p.device) if weights == "fp32" else p.dtype == torch.float32 and fp16_supported(p.device)
     if not ok:
         return 0
     found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.weight.dtype == torch.float32]
-    need = sum(c.weight.numel() * (4 if weights == "fp32" else 2) for _, _, c in found)  # one packed copy each
+    need = sum(c.weight.numel() * kind.COPY_BYTES for _, _, c in found)  # one packed copy each
     if budget_bytes is not None and need > budget_bytes:
         log.warning("not prepacking linear weights: the packed copies need %.1f GB, over the %.1f GB allowed",
                     need / 1e9, budget_bytes / 1e9)
         return 0
-    kind = PackedLinear if weights == "fp32" else Fp16Linear
     for parent, name, child in found:
         setattr(parent, name, kind.from_linear(child))
     return len(found)
