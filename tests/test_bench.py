@@ -9,6 +9,7 @@ import torch
 
 from eyas import targets
 from eyas.core import prepack
+from eyas.stages import bench
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.formats.checkpoint import save_checkpoint
 
@@ -65,6 +66,7 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     md = (out / "report.md").read_text()
     assert gap["chain"]["agreement"] == 1.0 and "First-draft acceptance" in md
     assert f"{summary['prepacked_linears']} linear layers prepacked" in md
+    assert summary["draft_cutoff"] == bench.CPU_CUTOFF and f"draft cutoff {bench.CPU_CUTOFF}" in md  # CPU default
 
 
 def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, tmp_path):
@@ -76,6 +78,10 @@ def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, 
     code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--tree", "x",
                             "--out", tmp_path / "d")
     assert code == 2 and "--tree" in err
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--draft-cutoff", "1",
+                            "--out", tmp_path / "f")
+    assert code == 2 and err.count("\n") == 1 and "--draft-cutoff 1.0: must lie in [0, 1)" in err
+    assert not (tmp_path / "f").exists()
     code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", "builtin-evl", "--out", tmp_path / "e")
     assert code == 2 and err.count("\n") == 1 and "--prompts builtin-evl: unknown file type" in err
     assert "`builtin-eval`" in err and "--input" not in err
@@ -85,10 +91,11 @@ def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir,
     code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, "--prompts", prompt_file,
                                  "--engine", "sglang", "--baselines", "plain", "--methods", "chain,tree",
                                  "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "8", "--limit", "1",
-                                 "--no-prepack", "--out", tmp_path / "e", "--json")
+                                 "--no-prepack", "--draft-cutoff", "0", "--out", tmp_path / "e", "--json")
     assert code == 0, err
     s = json.loads(stdout)
     assert s["engine"] == "sglang" and s["greedy_mismatches"] is None and s["prepacked_linears"] == 0
+    assert s["draft_cutoff"] == 0.0
     assert s["methods"]["chain"]["tokens"] > 0 and s["methods"]["tree"]["tokens"] > 0
 
 

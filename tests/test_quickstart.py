@@ -70,7 +70,7 @@ def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
 
     parser = build_parser()
     values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x"), "device": "cpu",
-              "regen_batch": qs.REGEN_BATCH["cpu"]}
+              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": qs.CPU_CUTOFF}
     values.update({s: str(tmp_path / s) for s in qs.STAGES})
     known = set(parser._subparsers._group_actions[0].choices)
     for stage, template in qs.ARGV.items():

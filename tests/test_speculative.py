@@ -171,10 +171,46 @@ def test_greedy_identity_with_stubs(tiny, mode, method):
             assert set(res.accepted) == {0}
 
 
+class ConfidentStub:
+    """A `DraftModel` whose top draft always has probability 0.6 (token = position + 3)."""
+
+    def __init__(self, V: int = 32):
+        self.target_ids, self.vocab_size, self.steps = torch.arange(V), V, 0
+
+    def logits(self, positions: torch.Tensor) -> torch.Tensor:
+        p = torch.full((positions.shape[0], self.vocab_size), 0.4 / (self.vocab_size - 1))
+        p[torch.arange(positions.shape[0]), (positions + 3) % self.vocab_size] = 0.6
+        return p.log()
+
+    def step(self, states, tokens, positions, allow):
+        self.steps += 1
+        return self.logits(positions), torch.zeros(positions.shape[0], 1)
+
+
+def test_draft_cutoff_stops_chains_and_prunes_trees():
+    """Path probabilities 0.6, 0.36, 0.216, 0.13: a cutoff of 0.2 keeps three chain drafts (the
+    drafter ran three times: the third found the fourth draft below it); 0.7 keeps none. A tree keeps only nodes whose path probability
+    clears the cutoff, and stops expanding once no frontier node does."""
+    greedy = lambda lg: (lg.argmax(), None)  # noqa: E731
+    for cutoff, want, steps in ((0.0, 5, 4), (0.2, 3, 3), (0.7, 0, 0)):
+        m = ConfidentStub()
+        drafts, qs = spec.draft_chain(m, m.logits(torch.tensor([9]))[0], torch.zeros(1), 10, 5, greedy, cutoff)
+        assert drafts.tolist() == [12 + i for i in range(want)] and len(qs) == want and m.steps == steps
+    m = ConfidentStub()
+    tree = spec.draft_tree(m, 1, m.logits(torch.tensor([9]))[0], torch.zeros(1), 10, 2, 6, 12)
+    assert len(tree) == 12 and m.steps == 5
+    m = ConfidentStub()
+    tree = spec.draft_tree(m, 1, m.logits(torch.tensor([9]))[0], torch.zeros(1), 10, 2, 6, 12, cutoff=0.2)
+    # kept: 0.6 (depth 1), 0.36 (depth 2), 0.216 (depth 3) on the top path; second-best
+    # children have path probability <= 0.6 * 0.4 / 31 and are all dropped
+    assert tree.tokens.tolist() == [1, 12, 13, 14] and tree.depth.tolist() == [0, 1, 2, 3]
+    assert m.steps == 3  # levels 2 and 3 expanded; level 4's frontier (0.13) is below 0.2
+
+
 # ---------------------------------------------------------------- lossless sampling
 
 
-def _markov_step(P, Q, x, method, gen, k=2, topk=2, depth=2):
+def _markov_step(P, Q, x, method, gen, k=2, topk=2, depth=2, cutoff=0.0):
     """One speculative step on a Markov 'target' P[x] -> next-token probs, drafter Q[x]."""
     V = P.shape[0]
 
@@ -188,17 +224,19 @@ def _markov_step(P, Q, x, method, gen, k=2, topk=2, depth=2):
         def pick(lg):
             q = torch.softmax(lg, -1)
             return torch.multinomial(q, 1, generator=gen)[0], q
-        drafts, qs = spec.draft_chain(M(), Q[x].log(), torch.zeros(1), 0, k, pick)
+        drafts, qs = spec.draft_chain(M(), Q[x].log(), torch.zeros(1), 0, k, pick, cutoff)
         tree, qd = spec.chain_tree(x, drafts), {i + 1: q for i, q in enumerate(qs)}
     else:
-        tree, qd = spec.draft_tree(M(), x, Q[x].log(), torch.zeros(1), 0, topk, depth, 5), None
+        tree, qd = spec.draft_tree(M(), x, Q[x].log(), torch.zeros(1), 0, topk, depth, 5, cutoff), None
     path, bonus = spec.accept_sampling(tree, P[tree.tokens], qd, gen)
     return tree.tokens[path[1:]].tolist() + [bonus]
 
 
+@pytest.mark.parametrize("cutoff", [0.0, 0.3])
 @pytest.mark.parametrize("method", ["chain", "tree"])
-def test_speculative_sampling_is_lossless(method):
-    """The first two emitted tokens follow the target's joint distribution (chi-square, 24 dof)."""
+def test_speculative_sampling_is_lossless(method, cutoff):
+    """The first two emitted tokens follow the target's joint distribution (chi-square, 24 dof),
+    also when a draft-probability cutoff shortens chains and prunes trees."""
     V, trials = 5, 4000
     g = torch.Generator().manual_seed(0)
     P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
@@ -210,7 +248,7 @@ def test_speculative_sampling_is_lossless(method):
         out = []
         x = x0
         while len(out) < 2:
-            new = _markov_step(P, Q, x, method, gen)
+            new = _markov_step(P, Q, x, method, gen, cutoff=cutoff)
             out += new
             x = out[-1]
         counts[out[0], out[1]] += 1
@@ -278,9 +316,11 @@ def _loaded(d: Eagle3Drafter) -> runtime.LoadedDrafter:
     return runtime.LoadedDrafter(d, list(d.cfg.aux_layer_ids), True, "strict", ids, "eyas", [])
 
 
+@pytest.mark.parametrize("cutoff", [0.0, 0.3])
 @pytest.mark.parametrize("method", ["chain", "tree"])
-def test_greedy_identity_with_real_drafters(tiny, trained, method):
-    """Random drafter with a small draft vocabulary (d2t offsets) and a trained one."""
+def test_greedy_identity_with_real_drafters(tiny, trained, method, cutoff):
+    """Random drafter with a small draft vocabulary (d2t offsets) and a trained one; with a
+    draft cutoff as well (steps with fewer or no drafts)."""
     model, _ = tiny
     tcfg = model.config
     torch.manual_seed(3)
@@ -293,7 +333,7 @@ def test_greedy_identity_with_real_drafters(tiny, trained, method):
         for seed in (5, 100):  # 100: a prompt the drafter was trained on
             prompt = _prompt(seed)
             ref = _hf_greedy(model, prompt, 40, eos=2)
-            res = runtime.generate(tr, dr, prompt, _settings(method))
+            res = runtime.generate(tr, dr, prompt, _settings(method, cutoff=cutoff))
             assert res.tokens == ref
     assert sum(res.accepted) / res.steps > 0.5  # the trained drafter is accepted
 

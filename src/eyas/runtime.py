@@ -292,6 +292,7 @@ class DecodeSettings:
     method: str = "chain"
     k: int = 5
     tree: tuple[int, int, int] = (8, 5, 32)  # topk, depth, total tokens (root included)
+    cutoff: float = 0.0  # drop drafts whose drafter path probability is below this (0: never)
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 128
@@ -409,9 +410,10 @@ def _draft(dr, root: int, root_logits, root_state, n: int, s: DecodeSettings, ge
     """One drafting phase -> (tree, {node: q} for sampled chain drafts or None)."""
     if s.method == "tree":
         topk, depth, budget = s.tree
-        return spec.draft_tree(dr, root, root_logits, root_state, n, topk, depth, budget), None
+        return spec.draft_tree(dr, root, root_logits, root_state, n, topk, depth, budget, s.cutoff), None
     if s.temperature <= 0:
-        drafts, _ = spec.draft_chain(dr, root_logits, root_state, n, s.k, lambda lg: (lg.float().argmax(), None))
+        drafts, _ = spec.draft_chain(dr, root_logits, root_state, n, s.k, lambda lg: (lg.float().argmax(), None),
+                                     s.cutoff)
         return spec.chain_tree(root, drafts), None
     V = dr.vocab_size
 
@@ -421,7 +423,7 @@ def _draft(dr, root: int, root_logits, root_state, n: int, s: DecodeSettings, ge
         q = torch.zeros(V).index_add_(0, dr.target_ids.cpu(), qd)
         return d.to(lg.device), q
 
-    drafts, qs = spec.draft_chain(dr, root_logits, root_state, n, s.k, pick)
+    drafts, qs = spec.draft_chain(dr, root_logits, root_state, n, s.k, pick, s.cutoff)
     return spec.chain_tree(root, drafts), {i + 1: q for i, q in enumerate(qs)}
 
 

@@ -19,6 +19,7 @@ The drafter seen by this module is the small `DraftModel` protocol below, so stu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -103,15 +104,28 @@ def tree_mask(tree: Tree, prefix: int, dtype: torch.dtype, device=None) -> torch
 
 
 def draft_chain(model: DraftModel, root_logits: torch.Tensor, root_state: torch.Tensor, n: int, k: int,
-                pick: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, list]:
-    """k drafts in a chain. `pick(logits (N,)) -> (draft id, q or None)`: argmax for greedy,
-    a sample plus its distribution for speculative sampling. Returns target ids (k,) and the
-    per-draft q (target vocabulary) or Nones."""
+                pick: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]],
+                cutoff: float = 0.0) -> tuple[torch.Tensor, list]:
+    """Up to k drafts in a chain. `pick(logits (N,)) -> (draft id, q or None)`: argmax for
+    greedy, a sample plus its distribution for speculative sampling. With `cutoff` > 0 the
+    chain stops before draft i when (product of the drafter's probabilities of drafts < i) x
+    (its top probability at i) is below it (softmax at temperature 1; for greedy drafts, the
+    path probability of draft i): such a draft is rarely accepted and costs a drafter step
+    and a verified token. The rule is decided before draft i is drawn, so a sampled draft is
+    still distributed as q and sampling stays lossless (a rule that looked at the drawn
+    draft itself would not be). Returns target ids (<= k,) and the per-draft q (target
+    vocabulary) or Nones."""
     ids, qs = [], []
     logits, state = root_logits, root_state
     allow = torch.ones(1, 1, dtype=torch.bool)
+    path_p = 1.0
     for i in range(k):
+        probs = torch.softmax(logits.float(), -1) if cutoff > 0 else None
+        if probs is not None and path_p * float(probs.max()) < cutoff:
+            break
         d, q = pick(logits)
+        if probs is not None:
+            path_p *= float(probs[d])
         ids.append(d)
         qs.append(q)
         if i == k - 1:
@@ -120,17 +134,21 @@ def draft_chain(model: DraftModel, root_logits: torch.Tensor, root_state: torch.
         logits, state = model.step(state.view(1, -1), tok, torch.tensor([n + i], device=tok.device), allow)
         logits, state = logits[0], state[0]
         allow = torch.ones(1, i + 2, dtype=torch.bool)
-    drafts = model.target_ids[torch.stack(ids)]
-    return drafts, qs
+    if not ids:
+        return model.target_ids[:0], qs
+    return model.target_ids[torch.stack(ids)], qs
 
 
 def draft_tree(model: DraftModel, root_token: int, root_logits: torch.Tensor, root_state: torch.Tensor,
-               n: int, topk: int, depth: int, budget: int) -> Tree:
+               n: int, topk: int, depth: int, budget: int, cutoff: float = 0.0) -> Tree:
     """EAGLE-2 dynamic tree (Li et al. 2024, sec. 4): expand the top-k children of each of the
     top-k frontier nodes per level (scored by cumulative draft log-probability), keep every
     expansion as a candidate, then re-rank all candidates and keep the best `budget - 1`
     (plus the root). A parent always scores at least its child, so the kept set is closed
-    under ancestors (ties go to the shallower node)."""
+    under ancestors (ties go to the shallower node). With `cutoff` > 0, candidates whose path
+    probability is below it are dropped (the tree may be smaller than the budget) and no
+    level is expanded once every frontier node is below it."""
+    floor = math.log(cutoff) if cutoff > 0 else NEG
     dev = root_logits.device
     logp = torch.log_softmax(root_logits.float(), -1)
     score, ids = logp.topk(min(topk, logp.shape[-1]))  # (k,)
@@ -143,6 +161,8 @@ def draft_tree(model: DraftModel, root_token: int, root_logits: torch.Tensor, ro
     offset = ids.shape[0]
     R = 0
     for d in range(1, depth):
+        if float(front_score.max()) < floor:
+            break
         m = front.shape[0]
         allow = torch.zeros(m, R + m, dtype=torch.bool, device=dev)
         if front_rows is not None:
@@ -166,15 +186,15 @@ def draft_tree(model: DraftModel, root_token: int, root_logits: torch.Tensor, ro
         offset += m * kk
         R += m
     return _select(root_token, torch.cat(cand_tok), torch.cat(cand_score), torch.cat(cand_parent),
-                   torch.cat(cand_depth), budget)
+                   torch.cat(cand_depth), budget, floor)
 
 
-def _select(root: int, tok, score, parent, depth, budget: int) -> Tree:
-    """Keep the best budget-1 candidates, order them by (depth, score) and renumber parents.
-    Candidates arrive in depth order, so stable sorts break score ties towards the shallower
-    node (an ancestor always precedes its descendants)."""
+def _select(root: int, tok, score, parent, depth, budget: int, floor: float = NEG) -> Tree:
+    """Keep the best budget-1 candidates scoring at least `floor`, order them by (depth, score)
+    and renumber parents. Candidates arrive in depth order, so stable sorts break score ties
+    towards the shallower node (an ancestor always precedes its descendants)."""
     tok, score, parent, depth = tok.cpu(), score.cpu(), parent.cpu(), depth.cpu()
-    n = min(budget - 1, tok.shape[0])
+    n = min(budget - 1, int((score >= floor).sum()))
     best = torch.sort(score, descending=True, stable=True).indices[:n]
     keep = best[torch.sort(depth[best], stable=True).indices]  # by depth, then score
     new_index = torch.full((tok.shape[0] + 1,), -1, dtype=torch.long)  # last slot: the root (-1)

@@ -24,6 +24,7 @@ from typing import Callable
 
 from eyas import targets
 from eyas.errors import EyasError
+from eyas.stages.bench import CPU_CUTOFF
 from eyas.stages import data as data_stage
 from eyas.stages.common import add_json_flag, emit, write_json_atomic
 
@@ -130,7 +131,8 @@ ARGV: dict[str, list[str]] = {
               "--aux-gain", "rms", "--out", "{out}", "--force"],  # explicit: runs trained before it are not reused
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
-              "--tree", "{tree}", "--device", "{device}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
+              "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--device", "{device}", "--dtype", "{dtype}",
+              "--out", "{out}", "--force"],  # the cutoff explicit: a changed default reruns the stage
 }
 
 
@@ -209,7 +211,7 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
                  plan.prompts, plan.train_epochs, plan.draft_vocab)
     # the concrete device and dtype go into every argv, hence into the stage hashes
     values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type],
-              "dtype": dtype}
+              "dtype": dtype, "draft_cutoff": CPU_CUTOFF if dev.type == "cpu" else 0.0}
     if fp32_cpu:
         values["tree"] = FP32_CPU_TREE
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
