@@ -449,10 +449,11 @@ def test_greedy_identity_on_builtin_target(builtin_target):
     else:
         runs = [(tr, dr)]
     for method in ("chain", "tree"):
-        s = _settings(method, max_new_tokens=10, eos_ids=(tok.eos_token_id,), tree=(3, 3, 8))
-        with torch.inference_mode():
-            for r in runs:
-                assert runtime.generate(*r, prompt, s).tokens == ref
+        for cutoff in (0.0, 0.1):  # 0.1: `eyas bench`'s CPU default
+            s = _settings(method, max_new_tokens=10, eos_ids=(tok.eos_token_id,), tree=(3, 3, 8), cutoff=cutoff)
+            with torch.inference_mode():
+                for r in runs:
+                    assert runtime.generate(*r, prompt, s).tokens == ref
 
 
 def test_engine_reading_of_checkpoints(tiny, trained, tiny_target, tmp_path):
