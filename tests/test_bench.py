@@ -66,7 +66,13 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     md = (out / "report.md").read_text()
     assert gap["chain"]["agreement"] == 1.0 and "First-draft acceptance" in md
     assert f"{summary['prepacked_linears']} linear layers prepacked" in md
-    assert summary["draft_cutoff"] == bench.CPU_CUTOFF and f"draft cutoff {bench.CPU_CUTOFF}" in md  # CPU default
+    assert summary["draft_cutoff"] == bench.CPU_CUTOFF and f"draft cutoff {bench.CPU_CUTOFF}" in md  # fp32 CPU default
+
+
+def test_default_draft_cutoff_only_where_verification_costs():
+    assert bench.default_cutoff(torch.device("cpu"), torch.float32) == bench.CPU_CUTOFF > 0
+    assert bench.default_cutoff(torch.device("cpu"), torch.bfloat16) == 0.0
+    assert bench.default_cutoff(torch.device("cuda"), torch.float32) == 0.0
 
 
 def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, tmp_path):

@@ -113,14 +113,15 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
 
 def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatch, caplog):
     """Where the stages run in fp32 on a CPU, a plan with an `fp32_cpu` variant runs that variant
-    (its own sizes in every argv, its own minutes in the ETA); with native bf16 it runs itself."""
+    (its own sizes in every argv, its own minutes in the ETA, the bench's fp32 draft cutoff);
+    with native bf16 it runs itself (no cutoff)."""
     import logging
 
     from eyas import targets
 
     small = qs.Plan(**{**PLAN.__dict__, "prompts": 3, "draft_vocab": 16, "minutes": (0, 1, 0, 1, 1, 1)})
     plan = qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": (0, 9, 0, 9, 9, 9), "fp32_cpu": small})
-    for fast, prompts, vocab in (("fp32", "3", "16"), ("bf16", "4", "32")):
+    for fast, prompts, vocab, cutoff in (("fp32", "3", "16", str(qs.CPU_CUTOFF)), ("bf16", "4", "32", "0.0")):
         monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu", fast=fast: fast)
         rec = Recorder()
         caplog.clear()
@@ -129,5 +130,7 @@ def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatc
         data, vocab_argv = rec.calls[0], rec.calls[1]
         assert data[data.index("--limit") + 1] == prompts and data[data.index("--dtype") + 1] == fast
         assert vocab_argv[vocab_argv.index("--size") + 1] == vocab
+        bench_argv = rec.calls[-1]
+        assert bench_argv[0] == "bench" and bench_argv[bench_argv.index("--draft-cutoff") + 1] == cutoff
         assert ("about 3 min left" if fast == "fp32" else "about 36 min left") in caplog.text
     assert qs.PLANS["small"].fp32_cpu is qs.FP32_CPU_SMALL

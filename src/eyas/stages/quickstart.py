@@ -211,7 +211,7 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
                  plan.prompts, plan.train_epochs, plan.draft_vocab)
     # the concrete device and dtype go into every argv, hence into the stage hashes
     values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type],
-              "dtype": dtype, "draft_cutoff": CPU_CUTOFF if dev.type == "cpu" else 0.0}
+              "dtype": dtype, "draft_cutoff": CPU_CUTOFF if fp32_cpu else 0.0}
     if fp32_cpu:
         values["tree"] = FP32_CPU_TREE
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
