@@ -482,12 +482,19 @@ def plots(out: Path, report: dict) -> None:
     plt.close(fig)
 
 
+def cutoff_note(cutoff: float) -> str:
+    return (f"accept: of the drafts above the draft cutoff {cutoff} (the rest are never proposed); "
+            "--draft-cutoff 0 measures the full budget")
+
+
 def human_summary(report: dict) -> str:
     s = report["summary"]
     rows = [f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'overhead':>9s}"]
     for m, st in s["methods"].items():
         al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
         rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {st['time_split']['overhead']:8.0%}")
+    if s.get("draft_cutoff"):
+        rows.append(cutoff_note(s["draft_cutoff"]))
     if s.get("greedy_mismatches") is not None:
         rows.append(f"greedy mismatches vs plain: {s['mismatches_vs_plain']}")
     for m, g in (s.get("first_draft_gap") or {}).items():

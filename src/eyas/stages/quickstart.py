@@ -24,7 +24,7 @@ from typing import Callable
 
 from eyas import targets
 from eyas.errors import EyasError
-from eyas.stages.bench import CPU_CUTOFF
+from eyas.stages.bench import CPU_CUTOFF, cutoff_note
 from eyas.stages import data as data_stage
 from eyas.stages.common import add_json_flag, emit, write_json_atomic
 
@@ -242,8 +242,8 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         write_json_atomic(marker, {"stage": stage, "argv": argv, "seconds": secs, "key": key})
         rows.append({"stage": stage, "status": "ran", "seconds": round(secs, 1), "dir": str(sdir)})
     bench, gap = _bench_summary(Path(values["bench"]))
-    return {"stages": rows, "bench": bench, "first_draft_gap": gap, "report": str(Path(values["bench"]) / "report.md"),
-            "seconds": round(time.perf_counter() - t_start, 1)}
+    return {"stages": rows, "bench": bench, "draft_cutoff": values["draft_cutoff"], "first_draft_gap": gap,
+            "report": str(Path(values["bench"]) / "report.md"), "seconds": round(time.perf_counter() - t_start, 1)}
 
 
 def _bench_summary(bdir: Path) -> tuple[dict | None, dict | None]:
@@ -265,6 +265,8 @@ def table(result: dict) -> str:
         for m, st in result["bench"].items():
             al = f"{st['acceptance_length']:.2f}" if st["acceptance_length"] else "-"
             lines.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s}")
+        if result.get("draft_cutoff"):
+            lines.append(cutoff_note(result["draft_cutoff"]))
     g = result.get("first_draft_gap")
     if g and g["val_acc_0"] is not None:
         lines += ["", f"chain first draft: validation acc_0 {g['val_acc_0']:.2f}, on the bench prompts "
