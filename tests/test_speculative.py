@@ -189,8 +189,9 @@ class ConfidentStub:
 
 def test_draft_cutoff_stops_chains_and_prunes_trees():
     """Path probabilities 0.6, 0.36, 0.216, 0.13: a cutoff of 0.2 keeps three chain drafts (the
-    drafter ran three times: the third found the fourth draft below it); 0.7 keeps none. A tree keeps only nodes whose path probability
-    clears the cutoff, and stops expanding once no frontier node does."""
+    drafter ran three times: the third found the fourth draft below it); 0.7 keeps none. A tree
+    keeps only nodes whose path probability clears the cutoff, and stops expanding once no
+    frontier node does."""
     greedy = lambda lg: (lg.argmax(), None)  # noqa: E731
     for cutoff, want, steps in ((0.0, 5, 4), (0.2, 3, 3), (0.7, 0, 0)):
         m = ConfidentStub()

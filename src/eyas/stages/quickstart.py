@@ -24,8 +24,8 @@ from typing import Callable
 
 from eyas import targets
 from eyas.errors import EyasError
-from eyas.stages.bench import CPU_CUTOFF, cutoff_note
 from eyas.stages import data as data_stage
+from eyas.stages.bench import CPU_CUTOFF, cutoff_note
 from eyas.stages.common import add_json_flag, emit, write_json_atomic
 
 log = logging.getLogger(__name__)
