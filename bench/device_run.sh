@@ -10,7 +10,7 @@
 #   bench/device_run.sh real OUT PROMPTS...
 #       the built-in target on cuda: bench/gpu_check.py (fp32 chain/tree output vs the target's own
 #       generate(), forward cost by size in fp32 and bf16; then --decode), `eyas quickstart --budget $BUDGET
-#       --device cuda`, then `eyas bench` of its drafter on PROMPTS (bf16)
+#       --device cuda`, then `eyas bench` of its drafter on PROMPTS (bf16), again with --draft-cutoff 0.1
 #
 # Each step has a time limit and a log OUT/<step>.log; a failed step does not stop the next. At the
 # end OUT/results.tar.gz holds the logs and reports, and (real) OUT/drafter.tar.part-* the trained
@@ -87,6 +87,10 @@ if [ "$mode" = real ]; then
       --max-new-tokens 64 --k 5 --tree 4,5,16 --out "$W/bmt" --force
     cp "$W/bmt/report.md" "$out/report_mt_mbpp.md" 2>/dev/null
     cp "$W/bmt/report.json" "$out/report_mt_mbpp.json" 2>/dev/null
+    # the draft cutoff is off by default on CUDA (verification is flat there); is it right to be?
+    TAIL=12 step bench_cutoff 80 "${EYAS[@]}" bench --device "$DEV" --dtype bf16 --drafter "$run" --prompts "$@" --limit 20 \
+      --max-new-tokens 64 --k 5 --tree 4,5,16 --draft-cutoff 0.1 --baselines plain --out "$W/bcut" --force
+    cp "$W/bcut/report.md" "$out/report_cutoff.md" 2>/dev/null
     rdir=$(dirname "$run")
     (cd "$QS" && tar cf - --exclude=checkpoints "$(basename "$rdir")" data-* vocab-* .done bench-*) \
       | gzip -1 | split -b 15M - "$out/drafter.tar.part-"
