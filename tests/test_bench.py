@@ -73,6 +73,7 @@ def test_default_draft_cutoff_only_where_verification_costs():
     assert bench.default_cutoff(torch.device("cpu"), torch.float32) == bench.CPU_CUTOFF > 0
     assert bench.default_cutoff(torch.device("cpu"), torch.bfloat16) == 0.0
     assert bench.default_cutoff(torch.device("cuda"), torch.float32) == 0.0
+    assert bench.default_cutoff(torch.device("cpu"), torch.float32, engine="sglang") == 0.0  # as the engine drafts
 
 
 def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, tmp_path):
@@ -97,7 +98,7 @@ def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir,
     code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, "--prompts", prompt_file,
                                  "--engine", "sglang", "--baselines", "plain", "--methods", "chain,tree",
                                  "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "8", "--limit", "1",
-                                 "--no-prepack", "--draft-cutoff", "0", "--out", tmp_path / "e", "--json")
+                                 "--no-prepack", "--out", tmp_path / "e", "--json")
     assert code == 0, err
     s = json.loads(stdout)
     assert s["engine"] == "sglang" and s["greedy_mismatches"] is None and s["prepacked_linears"] == 0

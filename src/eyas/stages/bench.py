@@ -54,8 +54,8 @@ def register(sub) -> None:
                    "probabilities along the path) is below P: chains stop early, trees shrink below TOKENS. "
                    "Output is unchanged; speed and acceptance length move. Default: "
                    f"{CPU_CUTOFF} for fp32 on a CPU (where every verified token costs; chain and tree measured "
-                   "1.1-1.25x faster with it), else 0 (always k drafts / TOKENS nodes). Pass 0 to measure "
-                   "the drafter's full-budget acceptance length")
+                   "1.1-1.25x faster with it) unless --engine emulates SGLang / vLLM, else 0 (always k drafts / "
+                   "TOKENS nodes). Pass 0 to measure the drafter's full-budget acceptance length")
     p.add_argument("--methods", default="chain,tree", help="eyas methods to run: chain, tree (comma list)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -85,11 +85,14 @@ def register(sub) -> None:
 # ---------------------------------------------------------------- inputs
 
 
-def default_cutoff(device: torch.device, dtype: torch.dtype) -> float:
+def default_cutoff(device: torch.device, dtype: torch.dtype, engine: str = "eyas") -> float:
     """`--draft-cutoff` unless given: CPU_CUTOFF where the target verifies in fp32 on a CPU (each
     verified token costs: a 16-token forward ~1.8x a 1-token one on the AVX2 EPYC), else 0. bf16
     on a CPU is the AMX machines' choice, where 16-32 tokens verify for little more than one, and
-    on a GPU verification is flat too; there a smaller tree is rarely worth what it loses."""
+    on a GPU verification is flat too; there a smaller tree is rarely worth what it loses. An
+    emulated engine (`--engine sglang|vllm`) drafts its full budget, as the engine does."""
+    if engine != "eyas":
+        return 0.0
     return CPU_CUTOFF if torch.device(device).type == "cpu" and dtype == torch.float32 else 0.0
 
 
@@ -226,7 +229,7 @@ def run(args) -> int:
             n = targets.prepack_for_decoding(loaded.drafter, weights="fp16")
             drafter_weights = "fp16" if n else None
             packed += n or targets.prepack_for_decoding(loaded.drafter)
-    cutoff = args.draft_cutoff if args.draft_cutoff is not None else default_cutoff(device, model.dtype)
+    cutoff = args.draft_cutoff if args.draft_cutoff is not None else default_cutoff(device, model.dtype, args.engine)
     s = runtime.DecodeSettings(k=args.k, tree=parse_tree(args.tree), cutoff=cutoff,
                                temperature=args.temperature,
                                top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model, tok),
