@@ -485,11 +485,12 @@ def test_engine_reading_of_checkpoints(tiny, trained, tiny_target, tmp_path):
     assert rate["off"] < 0.5 * rate["eyas"], rate
 
 
+@pytest.mark.parametrize("cutoff", [0.0, 0.1])
 @pytest.mark.parametrize("method", ["chain", "tree"])
-def test_sampling_runs_end_to_end(tiny, trained, method):
+def test_sampling_runs_end_to_end(tiny, trained, method, cutoff):
     model, _ = tiny
     tr, dr = runtime.runners(model, _loaded(trained), runtime.Timer("cpu"))
-    s = _settings(method, temperature=0.7, top_p=0.9, eos_ids=(), seed=3)
+    s = _settings(method, temperature=0.7, top_p=0.9, eos_ids=(), seed=3, cutoff=cutoff)
     a = runtime.generate(tr, dr, _prompt(100), s)
     b = runtime.generate(tr, dr, _prompt(100), s)
     assert len(a.tokens) == 40 and a.tokens == b.tokens  # seeded: reproducible
