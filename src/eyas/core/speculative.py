@@ -161,7 +161,7 @@ def draft_tree(model: DraftModel, root_token: int, root_logits: torch.Tensor, ro
     offset = ids.shape[0]
     R = 0
     for d in range(1, depth):
-        if float(front_score.max()) < floor:
+        if cutoff > 0 and float(front_score.max()) < floor:  # no host sync per level when off
             break
         m = front.shape[0]
         allow = torch.zeros(m, R + m, dtype=torch.bool, device=dev)
