@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from eyas.stages import quickstart as qs
+from eyas.stages.bench import CPU_CUTOFF
 
 PLAN = qs.Plan(prompts=4, answer_tokens=4, eval_fraction=0.5, max_len=64, draft_vocab=32, train_epochs=1,
                train_max_steps=1, ttt=2, batch_tokens=256, bench_prompts=1, bench_new_tokens=4, dtype="fp32")
@@ -70,7 +71,7 @@ def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
 
     parser = build_parser()
     values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x"), "device": "cpu",
-              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": qs.CPU_CUTOFF}
+              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": CPU_CUTOFF}
     values.update({s: str(tmp_path / s) for s in qs.STAGES})
     known = set(parser._subparsers._group_actions[0].choices)
     for stage, template in qs.ARGV.items():
@@ -121,7 +122,7 @@ def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatc
 
     small = qs.Plan(**{**PLAN.__dict__, "prompts": 3, "draft_vocab": 16, "minutes": (0, 1, 0, 1, 1, 1)})
     plan = qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": (0, 9, 0, 9, 9, 9), "fp32_cpu": small})
-    for fast, prompts, vocab, cutoff in (("fp32", "3", "16", str(qs.CPU_CUTOFF)), ("bf16", "4", "32", "0.0")):
+    for fast, prompts, vocab, cutoff in (("fp32", "3", "16", str(CPU_CUTOFF)), ("bf16", "4", "32", "0.0")):
         monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu", fast=fast: fast)
         rec = Recorder()
         caplog.clear()

@@ -25,7 +25,7 @@ from typing import Callable
 from eyas import targets
 from eyas.errors import EyasError
 from eyas.stages import data as data_stage
-from eyas.stages.bench import CPU_CUTOFF, cutoff_note
+from eyas.stages.bench import cutoff_note, default_cutoff
 from eyas.stages.common import add_json_flag, emit, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
                  plan.prompts, plan.train_epochs, plan.draft_vocab)
     # the concrete device and dtype go into every argv, hence into the stage hashes
     values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type],
-              "dtype": dtype, "draft_cutoff": CPU_CUTOFF if fp32_cpu else 0.0}
+              "dtype": dtype, "draft_cutoff": default_cutoff(dev, targets.parse_dtype(dtype))}
     if fp32_cpu:
         values["tree"] = FP32_CPU_TREE
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
