@@ -4,6 +4,7 @@ surface. The full pipeline is exercised by `make demo`, not here."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 from eyas.stages import quickstart as qs
 from eyas.stages.bench import CPU_CUTOFF
@@ -23,8 +24,6 @@ class Recorder:
             return 2
         if argv[0] == "bench":
             out = argv[argv.index("--out") + 1]
-            import pathlib
-
             pathlib.Path(out).mkdir(parents=True, exist_ok=True)
             summary = {"methods": {"plain": {"tokens_per_s": 10.0, "speedup": 1.0},
                                    "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0}},
@@ -50,6 +49,37 @@ def test_rerun_reuses_finished_stages(tiny_target, tmp_path):
     qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "draft_vocab": 16}), runner=rec)
     assert [c[0] for c in rec.calls[5:]] == ["vocab", "train", "bench"]  # capture does not read the vocab
     assert "served 0.45" in qs.table(again)  # the table renders, with the first-draft gap
+
+
+def test_changed_eyas_code_reruns_every_stage(tiny_target, tmp_path, monkeypatch):
+    """The stage hash covers eyas's own files: stages made by other code are not reused."""
+    rec = Recorder()
+    qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
+    monkeypatch.setattr(qs, "code_fingerprint", lambda: "other-code")
+    again = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
+    assert [r["status"] for r in again["stages"][1:]] == ["ran"] * 5
+    assert [c[0] for c in rec.calls[5:]] == ["data", "vocab", "capture", "train", "bench"]
+
+
+def test_code_fingerprint_follows_the_files(tmp_path, monkeypatch):
+    """The fingerprint reads the package's files: an edited module changes it."""
+    import shutil
+
+    pkg = tmp_path / "eyas"
+    shutil.copytree(pathlib.Path(qs.__file__).resolve().parent.parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    fake = pkg / "stages" / "quickstart.py"
+    monkeypatch.setattr(qs, "__file__", str(fake))
+
+    def fresh() -> str:
+        qs.code_fingerprint.cache_clear()
+        return qs.code_fingerprint()
+
+    try:
+        before = fresh()
+        (pkg / "training.py").write_text((pkg / "training.py").read_text() + "\n# edited\n")
+        assert fresh() != before
+    finally:
+        qs.code_fingerprint.cache_clear()
 
 
 def test_failed_stage_is_an_error_and_not_marked_done(tiny_target, tmp_path):

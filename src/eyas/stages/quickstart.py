@@ -4,15 +4,16 @@ build the draft vocabulary, capture features, train, and bench on the eval split
 trained on) — then print one summary table and where the report is.
 
 Each stage runs through the public CLI (`eyas.cli.main`) into OUT/<stage>-<hash>, where the
-hash covers the stage's argv (which names its inputs, themselves hashed directories) and
-the target's fingerprint. A stage whose done-marker (OUT/.done/<stage>-<hash>.json) exists
-is skipped, so a rerun only redoes what changed.
+hash covers the stage's argv (which names its inputs, themselves hashed directories), the
+target's fingerprint and eyas's own code. A stage whose done-marker
+(OUT/.done/<stage>-<hash>.json) exists is skipped, so a rerun only redoes what changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -155,11 +156,23 @@ def register(sub) -> None:
 # ---------------------------------------------------------------- pipeline
 
 
-def stage_key(stage: str, argv: list[str], fingerprint: str) -> str:
-    """Content hash of a stage: its argv (inputs are hashed dirs) + the target fingerprint."""
-    from eyas import __version__
+@functools.cache
+def code_fingerprint() -> str:
+    """Hash of eyas's own files (modules and shipped data). A stage's output depends on the code
+    that made it, and the version string is not bumped for every change, so an upgraded or edited
+    eyas reruns the stages instead of reusing what older code made."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
-    blob = json.dumps({"stage": stage, "argv": argv, "target": fingerprint, "eyas": __version__})
+
+def stage_key(stage: str, argv: list[str], fingerprint: str) -> str:
+    """Content hash of a stage: its argv (inputs are hashed dirs), the target fingerprint and
+    eyas's code (`code_fingerprint`)."""
+    blob = json.dumps({"stage": stage, "argv": argv, "target": fingerprint, "eyas": code_fingerprint()})
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
