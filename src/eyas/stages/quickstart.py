@@ -64,6 +64,9 @@ class Plan:
 # 122 steps, acc_0 0.29, simulated acceptance 1.41 (bench: chain 0.88x, tree 0.84x plain);
 # 1024, 3 epochs, TTT 5: 240 steps, 0.35 / 1.60; 1024, 5 epochs, TTT 3: 400 steps, 0.43 / 1.76;
 # 512, 5 epochs, TTT 3: 855 steps in 434 s, 0.44 / 1.80 (this plan).
+# Tried on this plan since, none better on MT-bench + MBPP (README, "data and training choices"): 46k
+# tokens of answers not written by the target, half real public prompts, TTT 2 x 7 epochs, 256-token
+# batches, weight decay 0.1.
 FP32_CPU_SMALL = Plan(prompts=360, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=4096,
                       train_epochs=5, train_max_steps=1500, ttt=3, batch_tokens=512, bench_prompts=10,
                       bench_new_tokens=48, minutes=(0.2, 5.3, 0.1, 2.4, 7.8, 2.0))
