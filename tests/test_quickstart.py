@@ -59,6 +59,8 @@ def test_changed_eyas_code_reruns_every_stage(tiny_target, tmp_path, monkeypatch
     again = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
     assert [r["status"] for r in again["stages"][1:]] == ["ran"] * 5
     assert [c[0] for c in rec.calls[5:]] == ["data", "vocab", "capture", "train", "bench"]
+    marker = json.loads(next((tmp_path / ".done").glob("data-*.json")).read_text())
+    assert "eyas_code" in marker  # says which code made the stage
 
 
 def test_code_fingerprint_follows_the_files(tmp_path, monkeypatch):
@@ -66,7 +68,8 @@ def test_code_fingerprint_follows_the_files(tmp_path, monkeypatch):
     import shutil
 
     pkg = tmp_path / "eyas"
-    shutil.copytree(pathlib.Path(qs.__file__).resolve().parent.parent, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(pathlib.Path(qs.__file__).resolve().parent.parent, pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     fake = pkg / "stages" / "quickstart.py"
     monkeypatch.setattr(qs, "__file__", str(fake))
 

@@ -255,7 +255,8 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
             raise EyasError(f"quickstart: stage {stage} failed (exit {code}); rerun `eyas {' '.join(argv)}` "
                             f"to see why, then rerun quickstart (finished stages are reused)")
         secs = time.perf_counter() - t0
-        write_json_atomic(marker, {"stage": stage, "argv": argv, "seconds": secs, "key": key})
+        write_json_atomic(marker, {"stage": stage, "argv": argv, "seconds": secs, "key": key,
+                                   "eyas_code": code_fingerprint()})
         rows.append({"stage": stage, "status": "ran", "seconds": round(secs, 1), "dir": str(sdir)})
     bench, gap = _bench_summary(Path(values["bench"]))
     return {"stages": rows, "bench": bench, "draft_cutoff": values["draft_cutoff"], "first_draft_gap": gap,
