@@ -57,6 +57,14 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     for m in ("chain", "tree"):
         st = summary["methods"][m]
         assert st["acceptance_length"] >= 1.0 and len(st["acceptance_by_position"]) >= 1
+        # step cost in plain steps: speedup = tokens per verification step / step cost, recomputed
+        # here from the raw walls and counts; the target's and drafter's parts fit inside the total
+        plain, sc = summary["methods"]["plain"], st["step_cost"]
+        per_step = (st["wall_s"] / st["verify_steps"]) / (plain["wall_s"] / plain["tokens"])
+        assert abs(sc["total"] - per_step) < 1e-6 * per_step
+        assert abs(st["speedup"] - st["tokens"] / st["verify_steps"] / sc["total"]) < 1e-2 * st["speedup"]
+        assert 0 < sc["target"] and 0 < sc["drafter"] and sc["target"] + sc["drafter"] <= sc["total"] + 1e-9
+    assert "step_cost" not in summary["methods"]["plain"] and "step_cost" not in summary["methods"]["pld"]
     for f in ("report.json", "report.md", "acceptance_by_position.png", "speedup.png"):
         assert (out / f).is_file(), f
     rep = json.loads((out / "report.json").read_text())
@@ -65,6 +73,7 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     assert set(gap) == {"chain", "tree"} and gap["chain"]["val_acc_0"] is None
     md = (out / "report.md").read_text()
     assert gap["chain"]["agreement"] == 1.0 and "First-draft acceptance" in md
+    assert "step cost (target + drafter)" in md
     assert f"{summary['prepacked_linears']} linear layers prepacked" in md
     assert summary["draft_cutoff"] == bench.CPU_CUTOFF and f"draft cutoff {bench.CPU_CUTOFF}" in md  # fp32 CPU default
 

@@ -294,11 +294,24 @@ def method_stats(rs: list[dict]) -> dict:
     return out
 
 
+def step_cost(st: dict, plain: dict) -> None:
+    """Add `step_cost` to a speculative method's stats: the wall time of one of its verification
+    steps in units of one plain decoding step (wall per plain token), in all and for the target's
+    and the drafter's share. Speedup = tokens per step / step cost, and tokens per step is about the
+    acceptance length: the drafter pays when it accepts more than the step costs."""
+    if not st.get("verify_steps") or not plain["tokens"] or not plain["wall_s"]:
+        return
+    rel = st["wall_s"] / st["verify_steps"] / (plain["wall_s"] / plain["tokens"])
+    st["step_cost"] = {"total": rel, "target": rel * st["time_split"]["target"],
+                       "drafter": rel * st["time_split"]["drafter"]}
+
+
 def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
     per = {m: method_stats(results[m]) for m in methods}
     base = per["plain"]["tokens_per_s"]
     for m in methods:
         per[m]["speedup"] = per[m]["tokens_per_s"] / base if base else 0.0
+        step_cost(per[m], per["plain"])
     cats = sorted({p["category"] for p in prompts})
     by_cat = {}
     for c in cats:
@@ -323,7 +336,11 @@ def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
         "definitions": {"acceptance_length": "mean over verification steps of (accepted draft tokens + 1)",
                         "acceptance_by_position": "share of verification steps whose first i+1 drafts "
                         "(tree: depth i+1) were accepted",
-                        "speedup": "tokens/s of the method / tokens/s of plain (eyas loop, target alone)"},
+                        "speedup": "tokens/s of the method / tokens/s of plain (eyas loop, target alone)",
+                        "step_cost": "wall time of one verification step (drafting + verifying) / wall time of "
+                        "one plain decoding step, with the target's and the drafter's parts; speedup = tokens per "
+                        "step / step cost, where tokens per step is the acceptance length plus each prompt's first "
+                        "token (from the prefill) spread over its steps"},
     }
     if loaded is not None:
         summary["engine_notes"] = loaded.notes
@@ -418,13 +435,16 @@ def markdown(report: dict) -> str:
              + f"{s.get('prepacked_linears', 0)} linear layers prepacked (`--no-prepack`: 0)"
              + (", the drafter's in fp16 (fbgemm; the target verifies every draft)" if s.get("drafter_weights") == "fp16"
                 else "") + "\n",
-             "| method | tok/s | speedup vs plain | acceptance length | target | drafter | overhead |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | tok/s | speedup vs plain | acceptance length | step cost (target + drafter) | target | "
+             "drafter | overhead |",
+             "|---|---|---|---|---|---|---|---|"]
     for m, st in s["methods"].items():
         ts = st["time_split"]
         al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
-        lines.append(f"| {m} | {st['tokens_per_s']:.1f} | {st['speedup']:.2f}x | {al} | {ts['target']:.0%} | "
-                     f"{ts['drafter']:.0%} | {ts['overhead']:.0%} |")
+        sc = st.get("step_cost")
+        cost = f"{sc['total']:.2f} ({sc['target']:.2f} + {sc['drafter']:.2f})" if sc else "-"
+        lines.append(f"| {m} | {st['tokens_per_s']:.1f} | {st['speedup']:.2f}x | {al} | {cost} | "
+                     f"{ts['target']:.0%} | {ts['drafter']:.0%} | {ts['overhead']:.0%} |")
     lines.append("\n" + "\n".join(f"- {k}: {v}" for k, v in s["definitions"].items()))
     if s.get("mismatches_vs_plain") is not None:
         lines.append(f"- greedy outputs differing from plain (per method): {s['mismatches_vs_plain']}")
@@ -492,10 +512,15 @@ def cutoff_note(cutoff: float) -> str:
 
 def human_summary(report: dict) -> str:
     s = report["summary"]
-    rows = [f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'overhead':>9s}"]
+    rows = [f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'step cost':>10s} {'overhead':>9s}"]
     for m, st in s["methods"].items():
         al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
-        rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {st['time_split']['overhead']:8.0%}")
+        cost = f"{st['step_cost']['total']:.2f}x" if "step_cost" in st else "-"
+        rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {cost:>10s} "
+                    f"{st['time_split']['overhead']:8.0%}")
+    if any("step_cost" in st for st in s["methods"].values()):
+        rows.append("step cost: one verification step (drafting + verifying) in plain decoding steps; "
+                    "speedup ~ accept / step cost")
     if s.get("draft_cutoff"):
         rows.append(cutoff_note(s["draft_cutoff"]))
     if s.get("greedy_mismatches") is not None:
