@@ -164,7 +164,11 @@ def code_fingerprint() -> str:
     """Hash of eyas's own files (modules and shipped data). A stage's output depends on the code
     that made it, and the version string is not bumped for every change, so an upgraded or edited
     eyas reruns the stages instead of reusing what older code made."""
-    root = Path(__file__).resolve().parent.parent
+    return files_hash(Path(__file__).resolve().parent.parent)
+
+
+def files_hash(root: Path) -> str:
+    """sha256 of every file under `root` (relative path and bytes), caches of compiled Python excluded."""
     h = hashlib.sha256()
     for f in sorted(root.rglob("*")):
         if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc":
