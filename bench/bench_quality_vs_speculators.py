@@ -86,7 +86,8 @@ def train_plan(a, epochs: int):
     lengths = src.lengths("train")
     shapes = [training.shape_length(n) for n in lengths]  # `eyas train` plans on padded shapes
     plan = [b for e in range(epochs) for b in training.plan_batches(shapes, a.batch_tokens, 0, e)]
-    return readers, src, lengths, plan[: a.max_steps] if a.max_steps is not None else plan
+    total = len(training.plan_batches(shapes, a.batch_tokens, 0, 0)) * epochs  # Trainer.total: epoch 0's count
+    return readers, src, lengths, plan[: min(total, a.max_steps if a.max_steps is not None else total)]
 
 
 def train_speculators(a) -> dict:
@@ -223,6 +224,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--tree", default="4,5,16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--draft-cutoff", default="0", help="eyas bench --draft-cutoff (default 0: every draft runs to its full "
+                   "size, so acceptance measures the drafter, not the cutoff)")
     p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
     a = p.parse_args()
     a.eyas_epochs = a.eyas_epochs or a.epochs
@@ -250,6 +253,7 @@ def main() -> None:
             run(eyas_cmd("bench", "--target", a.target, "--drafter", str(ckpt), "--prompts", *map(str, a.prompts),
                          "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k), "--tree", a.tree,
                          "--methods", "chain,tree", "--baselines", "plain", "--dtype", a.dtype,
+                         "--draft-cutoff", a.draft_cutoff,
                          "--threads", str(a.threads), "--out", str(bdir), "--force"), a.out / f"bench_{which}.log")
         s = json.loads((bdir / "report.json").read_text())["summary"]["methods"]
         r["bench"] = {m: {k: s[m][k] for k in ("acceptance_length", "acceptance_by_position", "tokens_per_s", "speedup")}

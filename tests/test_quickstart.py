@@ -26,7 +26,9 @@ class Recorder:
             out = argv[argv.index("--out") + 1]
             pathlib.Path(out).mkdir(parents=True, exist_ok=True)
             summary = {"methods": {"plain": {"tokens_per_s": 10.0, "speedup": 1.0},
-                                   "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0}},
+                                   "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0,
+                                             "step_cost": {"total": 1.55, "target": 1.4, "drafter": 0.15},
+                                             "time_split": {"target": 0.8, "drafter": 0.15, "overhead": 0.05}}},
                        "first_draft_gap": {"chain": {"val_acc_0": 0.6, "tf_all": 0.55, "tf_at_steps": 0.45,
                                                      "served_first": 0.45}}}
             (pathlib.Path(out) / "report.json").write_text(json.dumps({"summary": summary}))
@@ -48,7 +50,10 @@ def test_rerun_reuses_finished_stages(tiny_target, tmp_path):
     # a changed vocab size reruns vocab and everything downstream, not data
     qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "draft_vocab": 16}), runner=rec)
     assert [c[0] for c in rec.calls[5:]] == ["vocab", "train", "bench"]  # capture does not read the vocab
-    assert "served 0.45" in qs.table(again)  # the table renders, with the first-draft gap
+    table = qs.table(again)  # bench's own method table (step cost, overhead) and the first-draft gap
+    assert "served 0.45" in table
+    chain_row = next(r for r in table.splitlines() if r.startswith("chain "))
+    assert chain_row.split()[1:] == ["12.0", "1.20x", "2.00", "1.55x", "5%"]
 
 
 def test_changed_eyas_code_reruns_every_stage(tiny_target, tmp_path, monkeypatch):

@@ -510,19 +510,25 @@ def cutoff_note(cutoff: float) -> str:
             "--draft-cutoff 0 measures the full budget")
 
 
-def human_summary(report: dict) -> str:
-    s = report["summary"]
+def method_rows(methods: dict, draft_cutoff: float | None) -> list[str]:
+    """The per-method table of a report's summary, as `eyas bench` and `eyas quickstart` print it."""
     rows = [f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'step cost':>10s} {'overhead':>9s}"]
-    for m, st in s["methods"].items():
-        al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
-        cost = f"{st['step_cost']['total']:.2f}x" if "step_cost" in st else "-"
-        rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {cost:>10s} "
-                    f"{st['time_split']['overhead']:8.0%}")
-    if any("step_cost" in st for st in s["methods"].values()):
+    for m, st in methods.items():
+        al = f"{st['acceptance_length']:.2f}" if st.get("acceptance_length") is not None else "-"
+        cost = f"{st['step_cost']['total']:.2f}x" if st.get("step_cost") else "-"
+        over = f"{st['time_split']['overhead']:.0%}" if st.get("time_split") else "-"
+        rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {cost:>10s} {over:>9s}")
+    if any(st.get("step_cost") for st in methods.values()):
         rows.append("step cost: one verification step (drafting + verifying) in plain decoding steps; "
                     "speedup ~ accept / step cost")
-    if s.get("draft_cutoff"):
-        rows.append(cutoff_note(s["draft_cutoff"]))
+    if draft_cutoff:
+        rows.append(cutoff_note(draft_cutoff))
+    return rows
+
+
+def human_summary(report: dict) -> str:
+    s = report["summary"]
+    rows = method_rows(s["methods"], s.get("draft_cutoff"))
     if s.get("greedy_mismatches") is not None:
         rows.append(f"greedy mismatches vs plain: {s['mismatches_vs_plain']}")
     for m, g in (s.get("first_draft_gap") or {}).items():

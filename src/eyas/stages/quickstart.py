@@ -26,7 +26,7 @@ from typing import Callable
 from eyas import targets
 from eyas.errors import EyasError
 from eyas.stages import data as data_stage
-from eyas.stages.bench import cutoff_note, default_cutoff
+from eyas.stages.bench import default_cutoff, method_rows
 from eyas.stages.common import add_json_flag, emit, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -273,21 +273,16 @@ def _bench_summary(bdir: Path) -> tuple[dict | None, dict | None]:
     if not f.is_file():
         return None, None
     s = json.loads(f.read_text())["summary"]
-    return ({m: {"tokens_per_s": round(st["tokens_per_s"], 2), "speedup": round(st["speedup"], 3),
-                 "acceptance_length": round(st["acceptance_length"], 3) if "acceptance_length" in st else None}
-             for m, st in s["methods"].items()}, (s.get("first_draft_gap") or {}).get("chain"))
+    keep = ("tokens_per_s", "speedup", "acceptance_length", "step_cost", "time_split")
+    return ({m: {k: st.get(k) for k in keep} for m, st in s["methods"].items()},
+            (s.get("first_draft_gap") or {}).get("chain"))
 
 
 def table(result: dict) -> str:
     lines = [f"{'stage':9s} {'status':7s} {'seconds':>8s}  directory"]
     lines += [f"{r['stage']:9s} {r['status']:7s} {r['seconds']:8.1f}  {r['dir']}" for r in result["stages"]]
     if result["bench"]:
-        lines += ["", f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s}"]
-        for m, st in result["bench"].items():
-            al = f"{st['acceptance_length']:.2f}" if st["acceptance_length"] else "-"
-            lines.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s}")
-        if result.get("draft_cutoff"):
-            lines.append(cutoff_note(result["draft_cutoff"]))
+        lines += ["", *method_rows(result["bench"], result.get("draft_cutoff"))]
     g = result.get("first_draft_gap")
     if g and g["val_acc_0"] is not None:
         lines += ["", f"chain first draft: validation acc_0 {g['val_acc_0']:.2f}, on the bench prompts "
