@@ -85,9 +85,11 @@ def train_plan(a, epochs: int):
     src = training.TensorSource({"train": training.CaptureSplit(readers, "train")}, a.max_len)
     lengths = src.lengths("train")
     shapes = [training.shape_length(n) for n in lengths]  # `eyas train` plans on padded shapes
-    plan = [b for e in range(epochs) for b in training.plan_batches(shapes, a.batch_tokens, 0, e)]
-    total = len(training.plan_batches(shapes, a.batch_tokens, 0, 0)) * epochs  # Trainer.total: epoch 0's count
-    return readers, src, lengths, plan[: min(total, a.max_steps if a.max_steps is not None else total)]
+    epoch_plans = [training.plan_batches(shapes, a.batch_tokens, 0, e) for e in range(epochs)]
+    total = len(epoch_plans[0]) * epochs  # as Trainer.total: epoch 0's batch count x epochs
+    if a.max_steps is not None:
+        total = min(total, a.max_steps)
+    return readers, src, lengths, [b for p in epoch_plans for b in p][:total]
 
 
 def train_speculators(a) -> dict:
