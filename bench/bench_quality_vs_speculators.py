@@ -25,7 +25,7 @@ importer (`formats.engines.import_checkpoint`) so both run in the same runtime.
 
     python bench/bench_quality_vs_speculators.py --capture CAP [CAP ...] --vocab V.safetensors \
         --prompts P.jsonl --out OUT [--ttt 5] [--max-steps 300] [--batch-tokens 4096] \
-        [--eyas-epochs E] [--eyas-flags norm_before_residual,norm_before_fc,norm_output]
+        [--eyas-epochs E] [--eyas-flags norm_before_residual,norm_before_fc,norm_output] [--draft-cutoff 0]
 
 Each phase writes its result under OUT and is skipped when rerun (delete it to redo).
 """
