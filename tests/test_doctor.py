@@ -235,6 +235,14 @@ def test_aux_out_of_range(healthy, eyas_cli, tiny_target):
     assert code == 1 and "EYAS-AUX-IDS-OUT-OF-RANGE" in ids_of(rep, "error")
 
 
+def test_aux_final_norm_id_is_out_of_range(healthy, eyas_cli, tiny_target):
+    """HF index L (4 here) is the final-norm output: no engine layer takes it as input."""
+    ck = variant(healthy, "vllm", "aux4", config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 2, 4]),
+                 drop_meta=True)
+    code, rep = doctor(eyas_cli, ck, "--engine", "vllm", "--target", tiny_target)
+    assert code == 1 and "EYAS-AUX-IDS-OUT-OF-RANGE" in ids_of(rep, "error")
+
+
 def test_use_aux_off_is_fc_bypass(healthy, eyas_cli):
     ck = variant(healthy, "sglang", "noaux_use", config=lambda c: c["eagle_config"].update(use_aux_hidden_state=False))
     code, rep = doctor(eyas_cli, ck, "--engine", "sglang")

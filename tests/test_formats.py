@@ -357,6 +357,30 @@ def test_bad_vocab_map(eyas_cli, eyas_ckpt, tmp_path):
     _assert_refused(eyas_cli, src, tmp_path, "d2t", "offsets")
 
 
+def test_eyas_checkpoint_with_absolute_d2t_is_refused_on_load(eyas_ckpt, tmp_path):
+    """bench, train --init-from and doctor read eyas checkpoints through load_checkpoint: a
+    d2t holding absolute ids must stop there, not draft wrong tokens or crash on an index."""
+    src = tmp_path / "abs"
+    shutil.copytree(eyas_ckpt, src)
+    w = load_file(src / "model.safetensors")
+    w["d2t"] = w["d2t"] + torch.arange(N_DRAFT)
+    save_file(w, str(src / "model.safetensors"))
+    with pytest.raises(EyasError, match="model.safetensors: d2t holds absolute target ids"):
+        ck.load_checkpoint(src)
+    assert any("offsets" in p for p in E.static_check(src, "eyas"))
+    assert E.static_check(eyas_ckpt, "eyas") == []
+
+
+def test_export_refuses_final_norm_aux_id(eyas_cli, tiny_target, tmp_path):
+    """A drafter trained on HF index L (the final-norm output) cannot be served by SGLang or vLLM."""
+    ck.save_checkpoint(tmp_path / "late", make_drafter(tiny_target, aux=[1, 2, 4]), {})
+    for fmt in ("sglang", "vllm"):
+        code, _, err = eyas_cli("convert", tmp_path / "late", "--to", fmt, "--target", tiny_target,
+                                "--out", tmp_path / fmt)
+        assert code == 1 and "final-norm output" in err, err
+        assert not (tmp_path / fmt).exists()
+
+
 class _Evil:
     """A pickle whose loading would create a file (it must never run)."""
 

@@ -293,6 +293,7 @@ def train_tiny_drafter(model, steps: int = 150, seed: int = 0) -> Eagle3Drafter:
         want = model(x).logits.argmax(-1)  # (B, T): target's next token at each position
         aux = cap.aux()
     d = Eagle3Drafter(DrafterConfig.from_target(tcfg, tcfg.vocab_size, aux_ids))
+    d.t2d.fill_(True)  # the identity map (d2t = 0), as a full-vocabulary checkpoint stores it
     d.load_target_embedding(model.get_input_embeddings().weight)
     opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=3e-3)
     T = x.shape[1]

@@ -171,10 +171,10 @@ def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkey
 
     real, reused = ttt.target_table, []
 
-    def checked(last, mask, lm_head, target_ids, t2d, chunk=1024, argmax=None):
-        tab = real(last, mask, lm_head, target_ids, t2d, chunk, argmax)
+    def checked(last, mask, lm_head, target_ids, t2d, chunk=1024, argmax=None, **transform):
+        tab = real(last, mask, lm_head, target_ids, t2d, chunk, argmax, **transform)
         if argmax is not None:
-            ref = real(last, mask, lm_head, target_ids, t2d, chunk)
+            ref = real(last, mask, lm_head, target_ids, t2d, chunk, **transform)
             assert torch.equal(tab.argmax, ref.argmax) and torch.equal(tab.probs, ref.probs)
             assert torch.equal(tab.in_vocab, ref.in_vocab) and torch.equal(tab.index, ref.index)
             reused.append(int(argmax.numel()))
@@ -351,7 +351,9 @@ def test_incompatible_init_checkpoint_exit_2(pipe, tmp_path, eyas_cli):
     from eyas.formats.checkpoint import save_checkpoint
 
     cfg = DrafterConfig.from_target(targets.load_config(pipe["target"]), 100, [1, 2, 3])
-    save_checkpoint(tmp_path / "ck", Eagle3Drafter(cfg), {})
+    d = Eagle3Drafter(cfg)
+    d.t2d[:100] = True  # a valid map (d2t = 0: draft id i is target id i); only the aux layers differ
+    save_checkpoint(tmp_path / "ck", d, {})
     code, out, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
                               "--init-from", tmp_path / "ck", "--out", tmp_path / "r")
     assert code == 2 and "aux layers [1, 2, 3]" in err

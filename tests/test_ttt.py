@@ -257,3 +257,33 @@ def test_metrics_conditional_and_accept_length():
     assert m["acc_0"] == 0.75 and m["acc_1"] == 0.25 and m["cacc_1"] == 0.5
     assert m["accept_len"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
     assert m["loss"] == pytest.approx(0.5 + 0.8 * 1.0)
+
+
+@pytest.mark.parametrize("arch,extra", [("gemma2", {"final_logit_softcapping": 2.0}), ("cohere", {"logit_scale": 0.25}),
+                                        ("granite", {"logits_scaling": 3.0})])
+def test_target_distribution_is_the_targets_own(arch, extra):
+    """Soft labels = softmax of the logits the target itself computes (transformers' forward as
+    the reference), restricted to the draft vocabulary: soft-capping and logit scales included."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from eyas import targets
+
+    cfg = AutoConfig.for_model(arch, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=1, **extra)
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40)  # logits large enough for the cap and scales to matter
+        ids = torch.randint(0, 96, (1, 9))
+        last = m.model(input_ids=ids).last_hidden_state
+        ref = m(input_ids=ids).logits[0, :-1]
+    tid = torch.arange(0, 96, 2)
+    t2d = torch.zeros(96, dtype=torch.bool)
+    t2d[tid] = True
+    scale, cap = targets.logit_transform(cfg)
+    tab = ttt.target_table(last, torch.ones(1, 9), m.lm_head.weight, tid, t2d, logit_scale=scale, softcap=cap)
+    want = torch.softmax(ref[:, tid], -1)
+    torch.testing.assert_close(tab.probs, want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(tab.argmax, ref.argmax(-1))
+    untransformed = ttt.target_table(last, torch.ones(1, 9), m.lm_head.weight, tid, t2d)
+    assert (untransformed.probs - want).abs().max() > 1e-2  # the transform matters on this target

@@ -265,6 +265,16 @@ def text_config(cfg):
     return get() if get else cfg
 
 
+def logit_transform(cfg) -> tuple[float, float | None]:
+    """(scale, softcap): how the target turns `last @ lm_head.T` into its logits, for the
+    families transformers implements that way: Cohere `logit_scale` (multiply), Granite
+    `logits_scaling` (divide), Gemma 2/3 `final_logit_softcapping` (tanh cap, after scaling)."""
+    cfg = text_config(cfg)
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return scale, (float(cap) if cap else None)
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """DESIGN 3: `[2, L//2, L-3]` as HF `output_hidden_states` indices (vLLM convention)."""
     return [2, num_layers // 2, num_layers - 3]

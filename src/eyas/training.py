@@ -305,11 +305,13 @@ class TTTModule(nn.Module):
 
 @dataclass
 class Target:
-    """What training needs of the target besides features: its LM head (for the target
-    distributions) and fingerprint."""
+    """What training needs of the target besides features: its LM head and logit transform
+    (for the target distributions) and fingerprint."""
 
     lm_head: torch.Tensor  # (V, H)
     fingerprint: str
+    logit_scale: float = 1.0  # targets.logit_transform
+    softcap: float | None = None
 
 
 def lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
@@ -373,7 +375,7 @@ class Trainer:
         cached = [self.argmax_cache.get(k) for k in b.keys]
         known = torch.cat(cached) if cached and all(c is not None for c in cached) else None
         table = ttt.target_table(last, mask, self.lm_head, self.target_ids, self.drafter.t2d, self.cfg.target_chunk,
-                                 argmax=known)
+                                 argmax=known, logit_scale=self.target.logit_scale, softcap=self.target.softcap)
         if known is None and b.keys:
             for k, a in zip(b.keys, table.argmax.split(table.rows_per_sample())):
                 self.argmax_cache[k] = a.to(torch.int32)

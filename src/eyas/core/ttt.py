@@ -137,12 +137,16 @@ class TargetTable:
 
 @torch.no_grad()
 def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor, target_ids: torch.Tensor,
-                 t2d: torch.Tensor, chunk: int = 1024, argmax: torch.Tensor | None = None) -> TargetTable:
+                 t2d: torch.Tensor, chunk: int = 1024, argmax: torch.Tensor | None = None,
+                 logit_scale: float = 1.0, softcap: float | None = None) -> TargetTable:
     """Build the TargetTable from the final-norm states `last` (B, T, H) and the target's
     `lm_head` (V, H). The draft distributions come from the N draft rows of lm_head only; the
     full-vocabulary argmax needs all V rows, `chunk` positions at a time (a 49k vocabulary at
     T=2048 never materialises (B*T, V)), unless the caller passes it: `argmax` (M,), known
-    from an earlier epoch (it depends on the data alone), skips the (M, V) product."""
+    from an earlier epoch (it depends on the data alone), skips the (M, V) product.
+    `logit_scale` and `softcap` are the target's own logit transform (`targets.logit_transform`:
+    logits * scale, then softcap * tanh(logits / softcap)), so the draft distribution is the one
+    the target samples from; both are increasing, so the argmax never needs them."""
     B, T, _ = last.shape
     sup = torch.zeros(B, T, dtype=torch.bool, device=last.device)
     sup[:, :-1] = loss_mask[:, 1:].bool()
@@ -155,7 +159,10 @@ def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Ten
     probs, found = [], []
     for a in range(0, M, chunk):
         s = states[a:a + chunk]
-        probs.append(torch.softmax((s @ w_draft.T).float(), dim=-1))
+        logits = (s @ w_draft.T).float() * logit_scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        probs.append(torch.softmax(logits, dim=-1))
         if argmax is None:
             found.append((s @ w.T).float().argmax(-1))  # fp32 argmax is ~4x faster than bf16 on CPU
     N = target_ids.numel()

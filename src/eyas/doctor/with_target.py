@@ -104,10 +104,11 @@ def check_aux_against_target(report: Report, raw: RawCheckpoint, layout: str,
             f.message += f" = {default} for this target, but it was trained on {intended}"
     for e, r in views.items():
         ids = r.aux_layer_ids_hf or default
-        bad = [i for i in ids + (r.aux_alt_hf or []) if not 0 <= i <= L]
+        bad = [i for i in ids + (r.aux_alt_hf or []) if not 0 <= i < L]
         if bad:
-            out.append(make("EYAS-AUX-IDS-OUT-OF-RANGE", f"{e} would capture hidden_states {ids}; the target has "
-                            f"indices 0..{L}", engine=e, evidence={"engine_hf": ids, "num_layers": L, "bad": bad},
+            out.append(make("EYAS-AUX-IDS-OUT-OF-RANGE", f"{e} would capture hidden_states {ids}; the target's "
+                            f"layers take inputs 0..{L - 1} (index {L}, the final-norm output, is never captured)",
+                            engine=e, evidence={"engine_hf": ids, "num_layers": L, "bad": bad},
                             cause="the ids were written for a deeper model or in another convention.",
                             fix=CONVERT.format(ckpt=raw.path, engine=e)))
     out += check_arch(tf["architecture"], list(views))

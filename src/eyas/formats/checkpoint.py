@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from eyas.core import vocab as core_vocab
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.errors import EyasError
 
@@ -143,6 +144,10 @@ def load_checkpoint(ckpt: Path, target_embedding: torch.Tensor | None = None) ->
         if tuple(v.shape) != tuple(state[k].shape):
             raise EyasError(f"{ckpt}/model.safetensors: {k} has shape {tuple(state[k].shape)}, config.json "
                             f"implies {tuple(v.shape)}; re-export the checkpoint")
+    try:  # DESIGN 4: a wrong map raises no error downstream, it only drafts wrong tokens
+        core_vocab.check_maps(state["d2t"], state["t2d"], cfg.vocab_size)
+    except core_vocab.VocabMapError as e:
+        raise EyasError(f"{ckpt}/model.safetensors: {e}") from e
     drafter.load_state_dict(state, strict=False)
     if target_embedding is not None:
         drafter.load_target_embedding(target_embedding)

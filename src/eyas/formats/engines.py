@@ -670,6 +670,11 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
     problems += [f"{engine} silently ignores file key {k}" for k in r.skipped]
     if not r.use_aux:
         problems.append(f"{engine} would not capture aux states (use_aux_hidden_state=false): fc is skipped")
+    ids = r.aux_layer_ids_hf if r.aux_layer_ids_hf is not None else (expected.aux_layer_ids if expected else [])
+    if num_layers is not None and any(i >= num_layers for i in ids):
+        problems.append(f"{engine} captures the inputs of layers 0..{num_layers - 1} only: aux id {num_layers} "
+                        "(the final-norm output) is never captured, so fc would get fewer states than it was "
+                        "trained on; train on ids below it")
     if expected is not None:
         problems += _compare_config(r, expected, engine, num_layers is not None)
     return problems

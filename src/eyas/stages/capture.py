@@ -324,6 +324,9 @@ def capture(cfg: CaptureConfig) -> dict:
     path = targets.resolve(cfg.target)
     tcfg = targets.load_config(path)
     layer_ids = targets.parse_layers(cfg.layers, tcfg.num_hidden_layers)
+    if tcfg.num_hidden_layers in layer_ids:
+        log.warning("--layers %s: id %d is the final-norm output; SGLang and vLLM never capture it, so a drafter "
+                    "trained on it can be benched by eyas but not served", cfg.layers, tcfg.num_hidden_layers)
     targets.parse_dtype(cfg.dtype)
     device = targets.parse_device(cfg.device)
     manifest, records = fcap.read_prepared(cfg.data)

@@ -343,7 +343,8 @@ def run_train(args) -> int:
             "aux_layer_ids": aux, "features": where, "vocab": str(args.vocab),
             "vocab_fingerprint": vocab_fingerprint(drafter.d2t, drafter.cfg.vocab_size),
             "train_config": cfg.__dict__, "init": init_info, "provenance": provenance(args)}
-    trainer = training.Trainer(cfg, drafter, source, training.Target(head, meta["target_fingerprint"]),
+    scale, softcap = targets.logit_transform(tcfg)
+    trainer = training.Trainer(cfg, drafter, source, training.Target(head, meta["target_fingerprint"], scale, softcap),
                                args.out, meta, dist_)
     start = trainer.resume() if args.resume else 0
     if dist_.main:
