@@ -171,6 +171,32 @@ def test_greedy_identity_with_stubs(tiny, mode, method):
             assert set(res.accepted) == {0}
 
 
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_tree_greedy_identity_past_a_sliding_window(tiny_tokenizer, kind):
+    """A prompt longer than the target's sliding window: tree verification passes an explicit
+    mask, which must carry the window (Mistral: every layer; Gemma 2: its sliding layers only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"head_dim": 16, "final_logit_softcapping": None, "attn_logit_softcapping": None} if kind == "gemma2" else {}
+    cfg = AutoConfig.for_model(kind, vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=512, sliding_window=8, tie_word_embeddings=False,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=2, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 0.5)
+    V = model.config.vocab_size
+    for seed in (0, 1):
+        prompt = _prompt(seed, n=30)
+        ref = _hf_greedy(model, prompt, 30, eos=2)
+        for mode in ("right", "random"):
+            tr, _ = runtime.runners(model, None, runtime.Timer("cpu"))
+            res = runtime.generate(tr, StubDrafter(prompt.tolist() + ref, V, mode, seed), prompt,
+                                   _settings("tree", max_new_tokens=30))
+            assert res.tokens == ref, (kind, seed, mode)
+
+
 class ConfidentStub:
     """A `DraftModel` whose top draft always has probability 0.6 (token = position + 3)."""
 

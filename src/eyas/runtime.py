@@ -162,6 +162,14 @@ class TargetRunner:
         self.dtype = next(model.parameters()).dtype
         self.n_layers = len(targets.find_decoder_stack(model).layers)
         self.cache: Cache | None = None
+        cfg = targets.text_config(model.config)
+        self.window = getattr(cfg, "sliding_window", None) or None
+        kinds = set(getattr(cfg, "layer_types", None) or [])
+        # transformers takes one 4D mask as is for every layer; targets mixing sliding and full
+        # layers (Gemma 2/3) take a mask per layer type instead
+        self.mask_kinds = kinds if self.window and "sliding_attention" in kinds and len(kinds) > 1 else None
+        if self.window and kinds and "sliding_attention" not in kinds:
+            self.window = None  # sliding_window set but unused (e.g. Qwen2 without use_sliding_window)
 
     def reset(self, capacity: int) -> None:
         self.pool = KVPool(self.n_layers, capacity)
@@ -185,6 +193,16 @@ class TargetRunner:
                 logits = self.model(**kw).logits[0]
                 feats = cap.aux()[0] if self.aux_ids else cap.last[0]
         return logits, feats
+
+    def tree_mask(self, tree: spec.Tree, n: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The attention mask verifying `tree` after n cached tokens, sliding windows included."""
+        full = spec.tree_mask(tree, n, self.dtype, self.device)
+        if self.window is None:
+            return full
+        windowed = spec.tree_mask(tree, n, self.dtype, self.device, window=self.window)
+        if self.mask_kinds is None:
+            return windowed
+        return {k: windowed if k == "sliding_attention" else full for k in self.mask_kinds}
 
     def compact(self, start: int, rows: torch.Tensor) -> None:
         rows = rows.to(self.device)
@@ -373,7 +391,7 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
     root_logits, root_state = dr.extend(feats, torch.cat([prompt[1:], torch.tensor([x])]), 0)
     while not _done(out, s):
         tree, qs = _draft(dr, x, root_logits, root_state, n, s, gen)
-        mask = None if tree.is_chain else spec.tree_mask(tree, n, tr.dtype, tr.device)
+        mask = None if tree.is_chain else tr.tree_mask(tree, n)
         logits, feats = tr.forward(tree.tokens, n + tree.depth, mask)
         if s.temperature <= 0:
             path, x = spec.accept_greedy(tree, logits)

@@ -92,11 +92,16 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     return allow
 
 
-def tree_mask(tree: Tree, prefix: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+def tree_mask(tree: Tree, prefix: int, dtype: torch.dtype, device=None, window: int | None = None) -> torch.Tensor:
     """Additive 4D attention mask (1, 1, T, prefix+T) for verifying `tree` after a cache of
-    `prefix` tokens: every node sees the whole prefix, itself and its ancestors."""
+    `prefix` tokens: every node sees the whole prefix, itself and its ancestors. With a
+    sliding `window` (transformers' convention: a query at position q sees keys at positions
+    above q - window), a node at position prefix + depth sees only that part of the prefix."""
     T = len(tree)
     allow = torch.ones(T, prefix + T, dtype=torch.bool)
+    if window is not None:
+        q = prefix + tree.depth.cpu()  # (T,) node positions; cache index = position
+        allow[:, :prefix] = torch.arange(prefix)[None, :] > (q[:, None] - window)
     allow[:, prefix:] = ancestor_matrix(tree.parents)
     mask = torch.zeros(T, prefix + T, dtype=dtype)
     mask.masked_fill_(~allow, torch.finfo(dtype).min)
