@@ -140,3 +140,25 @@ def test_checkpoint_bad_inputs(tiny_target, tmp_path):
     (tmp_path / "ck" / "model.safetensors").write_bytes(b"\x00" * 10)
     with pytest.raises(EyasError, match="not a readable safetensors"):
         read_tensors(tmp_path / "ck" / "model.safetensors")
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 16.0, "beta_slow": 2.0,
+     "original_max_position_embeddings": 256, "attention_factor": 1.3},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.2, 1.3],
+     "long_factor": [2.0, 3.0, 4.0, 5.0], "original_max_position_embeddings": 256},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256},
+])
+def test_rope_matches_the_targets_own(rope):
+    """The drafter's RoPE table (inv_freq and attention scaling) is the one transformers builds for
+    the target config: yarn's attention factor and betas and longrope's factors are carried over."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    tcfg = LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=8, intermediate_size=64, vocab_size=50,
+                       max_position_embeddings=1024, rope_parameters=dict(rope))
+    ref = LlamaRotaryEmbedding(tcfg)
+    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, 10, [1, 2, 3]))
+    torch.testing.assert_close(d.inv_freq, ref.inv_freq)
+    assert d.attention_scaling == pytest.approx(ref.attention_scaling)

@@ -28,6 +28,13 @@ from torch import nn
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# rope_parameters keys the drafter keeps from its target: transformers' llama3, linear, dynamic,
+# yarn and longrope parameters (anything else, e.g. a partial rotary factor, is not Llama-style)
+ROPE_KEYS = ("rope_type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+             "mscale_all_dim", "truncate", "short_factor", "long_factor")
+
+
 @dataclass
 class DrafterConfig:
     """Everything needed to build a drafter; stored as `config.json` of an eyas checkpoint."""
@@ -57,8 +64,9 @@ class DrafterConfig:
         heads = tcfg.num_attention_heads
         rope = getattr(tcfg, "rope_parameters", None) or {
             "rope_type": "default", "rope_theta": float(getattr(tcfg, "rope_theta", 10000.0))}
-        rope = {k: v for k, v in dict(rope).items() if k in ("rope_type", "rope_theta", "factor",
-                "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+        if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers'
+            rope = rope["full_attention"]
+        rope = {k: v for k, v in dict(rope).items() if k in ROPE_KEYS}
         kw = dict(
             hidden_size=tcfg.hidden_size,
             target_hidden_size=tcfg.hidden_size,
