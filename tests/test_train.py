@@ -243,6 +243,20 @@ def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
 
 
+def test_vocab_of_another_tokenizer_refused(pipe, tmp_path, eyas_cli):
+    """Same target vocabulary size, different tokenizer: exit 2 before training, nothing written."""
+    from eyas.formats.vocab import VocabMap, load_vocab, save_vocab
+
+    vm = load_vocab(pipe["vocab"])
+    assert vm.meta["tokenizer_fingerprint"]  # recorded by `eyas vocab build`
+    other = tmp_path / "other.safetensors"
+    save_vocab(other, VocabMap(vm.d2t, vm.t2d, {**vm.meta, "tokenizer_fingerprint": "0123456789abcdef"}))
+    code, _, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", other,
+                            "--out", tmp_path / "r", "--max-steps", "1", *COMMON)
+    assert code == 2 and "another tokenizer" in err and str(other) in err, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_vocab_mismatch_refused_and_remap_keeps_accuracy(pipe, tmp_path, eyas_cli):
     from eyas.core import vocab as cv
     from eyas.formats.vocab import load_vocab, save_vocab, VocabMap

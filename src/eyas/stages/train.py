@@ -178,6 +178,17 @@ def _load_vocab(args, tcfg):
     return vm
 
 
+def _check_vocab_tokenizer(args, vm, tok) -> None:
+    """Same size is not same tokens (Llama 2 and Mistral both have 32,000 ids): a vocabulary
+    built on data of another tokenizer would pick the wrong frequent tokens, silently."""
+    recorded = vm.meta.get("tokenizer_fingerprint") if vm is not None else None
+    own = targets.tokenizer_fingerprint(tok) if recorded else None
+    if recorded and own != recorded:
+        raise EyasError(f"vocab file {args.vocab} was built from data tokenized by another tokenizer "
+                        f"(fingerprint {recorded}, --target's is {own}); build the vocabulary on data "
+                        "prepared for this target (eyas vocab build)")
+
+
 # ---------------------------------------------------------------- building the drafter
 
 
@@ -313,7 +324,8 @@ def run_train(args) -> int:
     tdir = _target_dir(args.target)
     tcfg = targets.load_config(tdir)
     vm = None if args.vocab == "from-checkpoint" else _load_vocab(args, tcfg)
-    model, _ = targets.load(tdir, dtype=args.dtype if args.online else "fp32", device=str(device) if args.online else "cpu")
+    model, tok = targets.load(tdir, dtype=args.dtype if args.online else "fp32", device=str(device) if args.online else "cpu")
+    _check_vocab_tokenizer(args, vm, tok)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
     head = model.get_output_embeddings().weight.detach().float().cpu()
     source, aux, where = _features(args, tdir, tcfg, model, dist_)
