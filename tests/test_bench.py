@@ -121,3 +121,29 @@ def test_limit_spreads_over_categories_in_file_order():
     items = [(f"c{i}", "code", "x") for i in range(5)] + [("m0", "math", "x"), ("m1", "math", "x"), ("w0", "writing", "x")]
     assert [i for i, _, _ in spread(items, 5)] == ["c0", "m0", "w0", "c1", "m1"]
     assert spread(items, None) == items and spread(items, 50) == items
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (("--k", "0"), "--k 0"), (("--max-new-tokens", "-4"), "--max-new-tokens -4"), (("--threads", "-2"), "--threads"),
+    (("--limit", "0"), "--limit 0"), (("--temperature", "nan"), "--temperature nan"),
+    (("--temperature", "-1"), "--temperature"), (("--temperature", "0.7", "--top-p", "0"), "--top-p"),
+    (("--top-p", "2"), "--top-p"), (("--max-new-tokens", "100000"), "positions"),
+])
+def test_bench_refuses_numbers_it_cannot_run(eyas_cli, tiny_target, prompt_file, tmp_path, flags, needle):
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--baselines", "plain",
+                            *flags, "--out", tmp_path / "o")
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_names_a_drafter_of_another_target(eyas_cli, tiny_targets, drafter_dir, prompt_file, tmp_path):
+    """A drafter for a 259-id target against a 300-id one: one line naming both sizes, no traceback."""
+    import tiny
+
+    other = tiny.build_target(tmp_path / "t300", tokenizer=tiny.build_tokenizer(300))
+    code, _, err = eyas_cli("bench", "--target", other, "--drafter", drafter_dir, "--prompts", prompt_file,
+                            "--out", tmp_path / "o")
+    assert code == 2 and err.count("\n") == 1 and "vocab_size" in err and "Traceback" not in err, err
+    code, _, err = eyas_cli("bench", "--target", tiny_targets["llama"], "--drafter", drafter_dir / "model.safetensors",
+                            "--prompts", prompt_file, "--out", tmp_path / "o")
+    assert code == 2 and "not a checkpoint directory" in err, err

@@ -144,6 +144,19 @@ def test_split_and_merge_equal_single_run(eyas_cli, tmp_path, prepared, tiny_tar
     code, _, err = eyas_cli("capture", "merge", *parts, "--out", tmp_path / "m")
     assert code == 0, err
     assert _files(tmp_path / "m") == _files(ref)
+    # Bad input leaves every directory as it was: --out onto a part, and a damaged part under --force.
+    before = {p: _files(p) for p in (*parts, tmp_path / "m")}
+    code, _, err = eyas_cli("capture", "merge", *parts, "--out", parts[0], "--force")
+    assert code == 2 and "replacing it would delete that input" in err, err
+    shard = next(parts[1].glob("shard-*.safetensors"))
+    blob = bytearray(shard.read_bytes())
+    blob[-10] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    before[parts[1]] = _files(parts[1])
+    code, _, err = eyas_cli("capture", "merge", *parts, "--out", tmp_path / "m", "--force")
+    assert code == 2 and "corrupted or truncated" in err, err
+    assert {p: _files(p) for p in before} == before
+    assert not list(tmp_path.glob(".m.tmp*"))
 
 
 def test_damaged_shards_are_named(eyas_cli, tmp_path, prepared, tiny_target):

@@ -66,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
+            if not e.filename:
+                raise
+            # a path the command cannot use: --out under a file, a read-only or vanished directory
+            where = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+            print(f"eyas {args.command}: error: {where}: {e.strerror or e}; check that path (an --out must be a "
+                  "directory path you can write, not inside a file)", file=sys.stderr)
+            return 2
         print(f"eyas {args.command}: error: no space left on device while writing {e.filename or 'output'}; "
               "free disk space (or choose another --out) and rerun the same command: finished shards and "
               "checkpoints are kept", file=sys.stderr)

@@ -476,9 +476,13 @@ def load_drafter(ckpt: Path, target_model, engine: str = "eyas", dtype: torch.dt
 
     emb = target_model.get_input_embeddings().weight
     dev = emb.device
+    if not Path(ckpt).is_dir():
+        raise EyasError(f"drafter {ckpt} is not a checkpoint directory; pass the directory that holds "
+                        "config.json and model.safetensors (e.g. RUN/final)")
     if engine == "eyas":
-        d, _ = load_checkpoint(Path(ckpt), target_embedding=emb.float())
-        _check_compat(d, target_model, ckpt)
+        d, _ = load_checkpoint(Path(ckpt))
+        _check_compat(d, target_model, ckpt)  # before the embedding: a wrong target names itself
+        d.load_target_embedding(emb.float())
         d = d.to(dev, dtype).eval()
         ids = torch.arange(d.cfg.draft_vocab_size, device=dev) + d.d2t
         return LoadedDrafter(d, list(d.cfg.aux_layer_ids), True, "strict", ids, engine, [])

@@ -62,8 +62,11 @@ def save_vocab(path: Path, vm: VocabMap) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"d2t": vm.d2t.long().contiguous(), "t2d": vm.t2d.bool().contiguous()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    try:
+        save_file({"d2t": vm.d2t.long().contiguous(), "t2d": vm.t2d.bool().contiguous()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # nothing stray beside --out if the write or the rename failed
 
 
 def _decode_meta(meta: dict) -> dict:
@@ -81,6 +84,9 @@ def load_vocab(path: Path, target_size: int | None = None) -> VocabMap:
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise EyasError(f"vocab file {path} is a directory; pass the vocabulary file itself (`eyas vocab build` "
+                        f"writes one .safetensors file, e.g. {path / 'vocab.safetensors'})")
     if not path.is_file():
         raise EyasError(f"vocab file {path} does not exist; build one with `eyas vocab build`")
     try:

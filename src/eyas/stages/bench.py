@@ -13,6 +13,7 @@ first i+1 drafts (tree: depth i+1) were all accepted.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 
 from eyas import targets
 from eyas.errors import EyasError, FindingsError
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, write_json_atomic
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,9 @@ def load_prompts(args, tok) -> list[dict]:
         items = [(c.id, c.category, (c.user_turns or [""])[0]) for c in convs]
     items = spread([it for it in items if it[2].strip()], args.limit)
     if not items:
-        raise EyasError(f"--prompts {' '.join(args.prompts)}: no prompt with a user turn")
+        where = f"the eval split of --data {args.data} (prepare it with --eval-fraction > 0)" \
+            if args.prompts == ["builtin-eval"] else "those files"
+        raise EyasError(f"--prompts {' '.join(args.prompts)}: no prompt with a user turn in {where}")
     return [{"id": i, "category": c, "ids": render(tok, text, args.max_prompt_tokens)} for i, c, text in items]
 
 
@@ -207,17 +210,40 @@ def method_list(args, has_drafter: bool) -> list[str]:
     return out + (eyas if has_drafter else [])
 
 
+def check_args(args) -> None:
+    """Numbers bench cannot run with: exit 2 before the target loads."""
+    for flag, v in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit),
+                    ("--threads", args.threads), ("--max-prompt-tokens", args.max_prompt_tokens)):
+        if v is not None and v < 1:
+            raise EyasError(f"{flag} {v}: must be a positive integer")
+    if not 0 <= args.temperature < math.inf:
+        raise EyasError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy), e.g. 0.7")
+    if not 0 < args.top_p <= 1:
+        raise EyasError(f"--top-p {args.top_p}: must lie in (0, 1], e.g. 0.95")
+    if args.drafter and not [m for m in args.methods.split(",") if m.strip()]:
+        raise EyasError("--methods is empty: with --drafter, run chain and/or tree (e.g. --methods chain,tree)")
+
+
 def run(args) -> int:
     from eyas import runtime
 
     if args.draft_cutoff is not None and not 0 <= args.draft_cutoff < 1:
         raise EyasError(f"--draft-cutoff {args.draft_cutoff}: must lie in [0, 1), e.g. {CPU_CUTOFF}")
+    check_args(args)
+    refuse_out_over_inputs(args.out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts})
     device = targets.parse_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     tdir = targets.resolve(args.target)
     model, tok = targets.load(tdir, dtype=args.dtype, device=str(device))
     prompts = load_prompts(args, tok)
+    from eyas.regenerate import _max_positions
+
+    room = _max_positions(model) - max(p["ids"].numel() for p in prompts) - parse_tree(args.tree)[2] - args.k - 2
+    if args.max_new_tokens > room:
+        raise EyasError(f"--max-new-tokens {args.max_new_tokens}: the longest prompt leaves room for {max(room, 0)} "
+                        f"new tokens within the target's {_max_positions(model)} positions; lower it "
+                        "(or --max-prompt-tokens)")
     loaded = None
     if args.drafter:
         loaded = runtime.load_drafter(Path(args.drafter), model, args.engine, model.dtype, args.seed, tdir)

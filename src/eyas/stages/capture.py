@@ -24,7 +24,7 @@ import torch
 from eyas import targets
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
-from eyas.stages.common import add_json_flag, emit, provenance
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs
 
 log = logging.getLogger(__name__)
 PLAN_FILE = ".eyas-capture-plan.json"
@@ -329,6 +329,7 @@ def capture(cfg: CaptureConfig) -> dict:
                     "trained on it can be benched by eyas but not served", cfg.layers, tcfg.num_hidden_layers)
     targets.parse_dtype(cfg.dtype)
     device = targets.parse_device(cfg.device)
+    refuse_out_over_inputs(cfg.out, {"--data": cfg.data})
     manifest, records = fcap.read_prepared(cfg.data)
     common = {"target": str(path), "target_fingerprint": targets.fingerprint(path),
               "data": str(Path(cfg.data).resolve()), "data_fingerprint": fcap.data_fingerprint(cfg.data),
@@ -415,23 +416,23 @@ def merge(parts: list[Path], out: Path, force: bool = False) -> dict:
     if seen != list(range(count)):
         raise EyasError(f"capture parts: got indices {seen}, need each of 0..{count - 1} exactly once; "
                         "pass every part directory")
-    if out.exists() and any(out.iterdir()) and not force:
-        raise EyasError(f"--out {out} exists and is not empty; pass --force or choose another path")
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    for p, m in zip(parts, ms):
+    refuse_out_over_inputs(out, {"capture part": list(parts)})
+    for p, m in zip(parts, ms):  # every part checked before --out is touched
         for s in m["shards"]:
             if fcap.sha256_file(p / s["file"]) != s["sha256"]:
                 raise EyasError(f"capture shard {p / s['file']} is corrupted or truncated (sha256 differs); "
                                 "delete it and rerun that part's `eyas capture` command")
-            shutil.copyfile(p / s["file"], out / s["file"])
-        spec = p / "speculators" / "hidden_states"
-        if spec.is_dir():
-            shutil.copytree(spec, out / "speculators" / "hidden_states", dirs_exist_ok=True)
     merged = _merged_manifest(ms)
     recs = _records_from_parts(parts, ms)
-    spec_dir = out / "speculators" if (out / "speculators").is_dir() else None
-    finish(out, merged, recs, spec_dir, {"merged_from": [str(p) for p in parts], **provenance()})
+    with atomic_dir(out, force=force) as tmp:  # a failed merge leaves --out as it was
+        for p, m in zip(parts, ms):
+            for s in m["shards"]:
+                shutil.copyfile(p / s["file"], tmp / s["file"])
+            spec = p / "speculators" / "hidden_states"
+            if spec.is_dir():
+                shutil.copytree(spec, tmp / "speculators" / "hidden_states", dirs_exist_ok=True)
+        spec_dir = tmp / "speculators" if (tmp / "speculators").is_dir() else None
+        finish(tmp, merged, recs, spec_dir, {"merged_from": [str(p) for p in parts], **provenance()})
     return {"out": str(out), "samples": merged["num_samples"], "tokens": merged["num_tokens"],
             "shards": len(merged["shards"])}
 
@@ -524,6 +525,7 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     """Convert speculators/SpecForge features into an eyas capture at `out`."""
     if not src.is_dir():
         raise EyasError(f"{kind} features {src}: no such directory")
+    refuse_out_over_inputs(out, {"source": src})
     if not 0.0 < train_ratio <= 1.0:
         raise EyasError(f"--train-ratio {train_ratio} must lie in (0, 1]")
     path = targets.resolve(target)

@@ -47,6 +47,20 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def refuse_out_over_inputs(out: Path, inputs: dict[str, object]) -> None:
+    """Exit 2 when `out` is one of the command's inputs or holds one: --force replaces --out,
+    and would delete the input with it. `inputs`: {flag: path or list of paths}."""
+    o = Path(out).resolve()
+    for flag, paths in inputs.items():
+        for p in paths if isinstance(paths, (list, tuple)) else [paths]:
+            if p is None or str(p) in ("", "builtin", "builtin-eval", "builtin-public", "from-checkpoint"):
+                continue
+            q = Path(p).resolve()
+            if q == o or o in q.parents:
+                raise EyasError(f"--out {out} is (or holds) the input {flag} {p}; replacing it would delete that "
+                                "input: choose another --out")
+
+
 def write_json_atomic(path: Path, obj) -> None:
     """Write JSON to `path` via a temp file + rename (never half a file)."""
     path = Path(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import shutil
 from collections import Counter, defaultdict
@@ -19,7 +20,7 @@ from eyas.errors import EyasError
 from eyas.formats import data as fdata
 from eyas.formats import prompts as fprompts
 from eyas.formats.prompts import Conversation
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs
 
 log = logging.getLogger(__name__)
 REGEN_BATCH = 64  # prompts per regeneration batch on a CPU (`--batch-size` default)
@@ -125,13 +126,16 @@ def _check_args(args) -> None:
         raise EyasError(f"--max-new-tokens {args.max_new_tokens}: must be positive, e.g. 256")
     if args.batch_size <= 0:
         raise EyasError(f"--batch-size {args.batch_size}: must be positive, e.g. 64")
-    if not args.temperature >= 0:
-        raise EyasError(f"--temperature {args.temperature}: must be >= 0 (0 = greedy)")
+    if not 0 <= args.temperature < math.inf:
+        raise EyasError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
     targets.parse_dtype(args.dtype)
     targets.parse_device(args.device)
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not args.force)):
+    if out.exists() and not out.is_dir():
+        raise EyasError(f"--out {out} is a file; prepared data is a directory: choose another path")
+    if out.exists() and any(out.iterdir()) and not args.force:
         raise EyasError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
+    refuse_out_over_inputs(out, {"--input": args.input, "--exclude": args.exclude})
 
 
 def _load_tokenizer(path: Path):

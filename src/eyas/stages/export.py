@@ -10,7 +10,7 @@ from pathlib import Path
 from eyas.errors import EyasError, FindingsError
 from eyas.formats import checkpoint as ckpt_io
 from eyas.formats import engines
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ def _write(args, src: Path, layout: str, fmt: str, picked: str) -> int:
     meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": meta.get("aux_layer_ids_source"),
             **({"trained": meta["eyas"]} if "eyas" in meta else {}), "provenance": provenance(args)}
     out = Path(args.out)
+    refuse_out_over_inputs(out, {"source": src})
     with atomic_dir(out, force=args.force) as tmp:
         notes = engines.write_layout(cfg, state, fmt, tmp, target=args.target, meta=meta)
         problems = engines.static_check(tmp, fmt, expected=cfg, target=args.target)

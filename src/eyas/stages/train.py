@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from eyas import targets
 from eyas.core import vocab as core_vocab
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.errors import EyasError
-from eyas.stages.common import add_json_flag, emit, provenance, write_json_atomic
+from eyas.stages.common import add_json_flag, emit, provenance, refuse_out_over_inputs, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,15 @@ def _check_args(args) -> None:
     bad = [(f, v) for f, v in (("--ttt", args.ttt), ("--epochs", args.epochs), ("--batch-tokens", args.batch_tokens),
                                ("--eval-every", args.eval_every), ("--keep-last", args.keep_last)) if v < 1]
     if bad:
-        raise EyasError(f"{bad[0][0]} {bad[0][1]} must be a positive integer; e.g. --ttt 7")
+        example = {"--ttt": 7, "--epochs": 3, "--batch-tokens": 4096, "--eval-every": 200, "--keep-last": 3}
+        raise EyasError(f"{bad[0][0]} {bad[0][1]} must be a positive integer; e.g. {bad[0][0]} {example[bad[0][0]]}")
     if args.align_topk < 0:
         raise EyasError(f"--align-topk {args.align_topk} must be >= 0 (0 = off); e.g. --align-topk 4")
-    if not args.lr > 0:
-        raise EyasError(f"--lr {args.lr} must be positive; e.g. --lr 1e-3")
+    if not 0 < args.lr < math.inf:
+        raise EyasError(f"--lr {args.lr} must be a positive finite number; e.g. --lr 1e-3")
+    for flag, v in (("--grad-clip", args.grad_clip), ("--weight-decay", args.weight_decay)):
+        if not 0 <= v < math.inf:
+            raise EyasError(f"{flag} {v} must be a finite number >= 0 (0 = off)")
     if args.max_len < 3:
         raise EyasError(f"--max-len {args.max_len} is too short; TTT needs at least 3 tokens (e.g. 2048)")
     if args.max_steps is not None and args.max_steps < 0:
@@ -123,6 +128,8 @@ def _check_args(args) -> None:
         raise EyasError("--remap only applies with --init-from CKPT")
     if args.vocab == "from-checkpoint" and not args.init_from:
         raise EyasError("--vocab from-checkpoint needs --init-from CKPT")
+    refuse_out_over_inputs(args.out, {"--capture": args.capture, "--data": args.data, "--vocab": args.vocab,
+                                      "--init-from": args.init_from})
 
 
 def _target_dir(spec: str) -> Path:

@@ -14,7 +14,7 @@ from eyas.core import vocab as core
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
 from eyas.formats import vocab as fvocab
-from eyas.stages.common import add_json_flag, emit
+from eyas.stages.common import add_json_flag, emit, refuse_out_over_inputs
 
 DEFAULT_SIZE = 32000
 
@@ -83,6 +83,8 @@ def _target_for(data: Path, manifest: dict, spec: str | None) -> Path:
 def build(data: Path | list[Path], size: int | None, out: Path, target: str | None = None,
           force: bool = False) -> dict:
     """Build and write the draft vocabulary of the train split of `data` (one or more dirs)."""
+    if out.is_dir():
+        raise EyasError(f"--out {out} is a directory; a vocabulary is one file: pass a file path such as {out}/vocab.safetensors")
     if out.exists() and not force:
         raise EyasError(f"--out {out} exists; pass --force to overwrite it")
     dirs = [Path(d) for d in (data if isinstance(data, (list, tuple)) else [data])]
@@ -159,6 +161,7 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     """Write `out`: `drafter` with its lm_head carried to the vocabulary in `to`."""
     if out.exists() and any(out.iterdir()) and not force:
         raise EyasError(f"--out {out} exists and is not empty; pass --force or choose another path")
+    refuse_out_over_inputs(out, {"--drafter": drafter, "--to": to})
     old = fvocab.read_checkpoint_vocab(drafter)
     path = targets.resolve(target)
     V = targets.load_config(path).vocab_size
