@@ -182,7 +182,9 @@ def test_embedding_written_from_target(tiny_target, tmp_path):
     w = load_file(tmp_path / "v" / "model.safetensors")
     emb, _ = E.target_embedding(tiny_target)
     assert c["target_hidden_size"] == 96 and torch.equal(w["embed_tokens.weight"], emb)
-    assert E.static_check(tmp_path / "v", "vllm", expected=cfg, target=tiny_target) == []
+    # 96 is not this target's hidden size: the only problem static_check finds
+    problems = E.static_check(tmp_path / "v", "vllm", expected=cfg, target=tiny_target)
+    assert len(problems) == 1 and "target_hidden_size is 96" in problems[0], problems
 
 
 def replace_cfg(cfg: DrafterConfig, **kw) -> DrafterConfig:
@@ -379,6 +381,22 @@ def test_export_refuses_final_norm_aux_id(eyas_cli, tiny_target, tmp_path):
                                 "--out", tmp_path / fmt)
         assert code == 1 and "final-norm output" in err, err
         assert not (tmp_path / fmt).exists()
+
+
+def test_export_refuses_non_finite_weights_and_another_target(eyas_cli, tiny_target, tmp_path):
+    import tiny
+
+    d = make_drafter(tiny_target)
+    with torch.no_grad():
+        d.fc.weight[0, 0] = float("nan")
+    ck.save_checkpoint(tmp_path / "nan", d, {})
+    code, _, err = eyas_cli("convert", tmp_path / "nan", "--to", "vllm", "--out", tmp_path / "o1")
+    assert code == 1 and "non-finite" in err and "fc.weight" in err, err
+    other = tiny.build_target(tmp_path / "t300", tokenizer=tiny.build_tokenizer(300))
+    ck.save_checkpoint(tmp_path / "ok", make_drafter(tiny_target), {})
+    code, _, err = eyas_cli("convert", tmp_path / "ok", "--to", "sglang", "--target", other, "--out", tmp_path / "o2")
+    assert code == 1 and "trained for another target" in err, err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
 class _Evil:

@@ -26,6 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 
 from eyas.errors import EyasError  # noqa: E402
 
@@ -242,7 +243,7 @@ def load(path: Path, dtype: str = "fp32", device: str = "cpu", trust_remote_code
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code
         )
-    except (ValueError, OSError, KeyError) as e:
+    except (ValueError, OSError, KeyError, SafetensorError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EyasError(f"target {path}: transformers cannot load it ({first}); "
                         "pass a decoder-only causal LM directory") from e

@@ -604,7 +604,11 @@ class Trainer:
         ck = self._latest_checkpoint()
         if ck is None:
             return 0
-        state = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(ck / STATE_FILE, map_location="cpu", weights_only=True)
+        except Exception as e:  # unpickling raises many types for a damaged file
+            raise EyasError(f"--resume: {ck / STATE_FILE} cannot be read ({type(e).__name__}); delete {ck} to "
+                            "resume from the checkpoint before it, or start a new --out") from e
         now = asdict(self.cfg)
         changed = {k: (v, now.get(k)) for k, v in state["config"].items()
                    if k in RESUME_MUST_MATCH and now.get(k) != v}
@@ -622,6 +626,10 @@ class Trainer:
         gain = state.get("aux_gain", torch.ones_like(self.drafter.aux_gain.cpu()))
         weights["fc.weight"] = weights["fc.weight"] / gain.to(weights["fc.weight"])
         self.drafter.set_aux_gain(gain, keep_function=False)
+        rows, want = weights["lm_head.weight"].shape[0], self.drafter.cfg.draft_vocab_size
+        if rows != want:
+            raise EyasError(f"--resume: {ck}/model.safetensors has a {rows}-token draft head, this run's --vocab "
+                            f"{want} tokens: resume with the run's own --vocab, or start a new --out")
         self._load_state(weights, state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.epoch = state["step"], state["epoch"]

@@ -670,6 +670,17 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
     problems += [f"{engine} silently ignores file key {k}" for k in r.skipped]
     if not r.use_aux:
         problems.append(f"{engine} would not capture aux states (use_aux_hidden_state=false): fc is skipped")
+    bad = [k for k, v in r.state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        problems.append(f"{engine} would load non-finite weights (NaN or inf) in {bad[:4]}: the drafter's "
+                        "training diverged; use an earlier checkpoint")
+    if tdir is not None:
+        tc = ckpt_io.read_json(Path(tdir) / "config.json")
+        tc = tc.get("text_config", tc)
+        for f, want in (("vocab_size", tc.get("vocab_size")), ("target_hidden_size", tc.get("hidden_size"))):
+            if want is not None and getattr(r.config, f) != want:
+                problems.append(f"the drafter's {f} is {getattr(r.config, f)} but --target {tdir} has {want}: "
+                                "it was trained for another target")
     ids = r.aux_layer_ids_hf if r.aux_layer_ids_hf is not None else (expected.aux_layer_ids if expected else [])
     if num_layers is not None and any(i >= num_layers for i in ids):
         problems.append(f"{engine} captures the inputs of layers 0..{num_layers - 1} only: aux id {num_layers} "

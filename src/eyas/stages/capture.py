@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
 import sys
 from dataclasses import asdict, dataclass
@@ -114,8 +115,9 @@ def _config(args) -> CaptureConfig:
         raise EyasError(f"eyas capture needs {', '.join(missing)} (see `eyas capture --help`)")
     if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
         raise EyasError(f"--shard-index {args.shard_index} --num-shards {args.num_shards}: need 0 <= index < count")
-    if args.batch_tokens < 1 or args.shard_mb <= 0:
-        raise EyasError("--batch-tokens and --shard-mb must be positive")
+    if args.batch_tokens < 1:
+        raise EyasError(f"--batch-tokens {args.batch_tokens}: must be positive, e.g. 4096")
+    check_shard_mb(args.shard_mb)
     return CaptureConfig(args.target, args.data, args.out, args.layers, args.dtype, args.batch_tokens,
                          args.shard_mb, args.shard_index, args.num_shards, args.force, args.device, args.format)
 
@@ -130,6 +132,11 @@ def run_capture(args) -> int:
 
 
 # ---------------------------------------------------------------- planning
+
+
+def check_shard_mb(mb: float) -> None:
+    if not 0 < mb < math.inf:
+        raise EyasError(f"--shard-mb {mb}: must be a positive finite size in MB, e.g. 512")
 
 
 def plan_shards(lengths: list[int], bpt: int, shard_bytes: int) -> list[list[int]]:
@@ -185,10 +192,13 @@ def prepare_out(out: Path, pid: str, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     plan_file, manifest = out / PLAN_FILE, out / "manifest.json"
     previous = None
-    if plan_file.is_file():
-        previous = json.loads(plan_file.read_text()).get("plan_id")
-    elif manifest.is_file():
-        previous = json.loads(manifest.read_text()).get("plan_id")
+    for f in (plan_file, manifest):
+        if f.is_file():
+            try:
+                previous = json.loads(f.read_text()).get("plan_id")
+            except (ValueError, AttributeError):  # damaged or not ours: other content
+                previous = None
+            break
     foreign = any(out.iterdir()) and previous != pid
     if foreign and not force:
         raise EyasError(f"--out {out} holds other content (not a capture of these arguments); "
@@ -528,6 +538,7 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     refuse_out_over_inputs(out, {"source": src})
     if not 0.0 < train_ratio <= 1.0:
         raise EyasError(f"--train-ratio {train_ratio} must lie in (0, 1]")
+    check_shard_mb(shard_mb)
     path = targets.resolve(target)
     tcfg = targets.load_config(path)
     layer_ids = targets.parse_layers(layers, tcfg.num_hidden_layers)
