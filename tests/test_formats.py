@@ -399,6 +399,24 @@ def test_export_refuses_non_finite_weights_and_another_target(eyas_cli, tiny_tar
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
+def test_export_and_remap_refuse_a_target_of_the_same_sizes_it_was_not_trained_for(eyas_cli, tiny_targets, tmp_path):
+    """The Qwen2 tiny target has the Llama one's sizes; only the fingerprint in eyas.json tells them apart."""
+    from eyas import targets
+
+    llama, qwen = tiny_targets["llama"], tiny_targets["qwen2"]
+    ck.save_checkpoint(tmp_path / "d", make_drafter(llama), {"target_fingerprint": targets.fingerprint(llama)})
+    code, _, err = eyas_cli("export", tmp_path / "d", "--to", "vllm", "--target", qwen, "--out", tmp_path / "o")
+    assert code == 1 and "trained for target fingerprint" in err and not (tmp_path / "o").exists(), err
+    assert eyas_cli("export", tmp_path / "d", "--to", "vllm", "--target", llama, "--out", tmp_path / "o")[0] == 0
+    vm = cv.d2t_from_ids(torch.arange(0, 40)), cv.t2d_from_ids(torch.arange(0, 40), targets.load_config(llama).vocab_size)
+    from eyas.formats.vocab import VocabMap, save_vocab
+
+    save_vocab(tmp_path / "v.safetensors", VocabMap(*vm, {}))
+    code, _, err = eyas_cli("vocab", "remap", "--drafter", tmp_path / "d", "--to", tmp_path / "v.safetensors",
+                            "--target", qwen, "--out", tmp_path / "r")
+    assert code == 2 and "another target's lm_head" in err and not (tmp_path / "r").exists(), err
+
+
 class _Evil:
     """A pickle whose loading would create a file (it must never run)."""
 

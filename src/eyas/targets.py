@@ -376,6 +376,21 @@ def _fingerprint_v0(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def trained_for_other(ckpt: Path, path: Path) -> str | None:
+    """Why drafter checkpoint `ckpt` (its eyas.json) was trained for another target than the one
+    at `path`, or None (no record, or the same target)."""
+    try:
+        meta = json.loads((Path(ckpt) / "eyas.json").read_text())
+    except (OSError, ValueError):
+        return None
+    meta = meta if isinstance(meta, dict) else {}
+    recorded = meta.get("target_fingerprint") or (meta.get("trained") or {}).get("target_fingerprint")
+    if not recorded or same_target(path, recorded):
+        return None
+    return (f"{ckpt}/eyas.json records it was trained for target fingerprint {recorded}, but {path} is "
+            f"{fingerprint(path)}")
+
+
 def same_target(path: Path, recorded: str | None) -> bool:
     """Whether a fingerprint recorded in a manifest names the target at `path` (no record: yes)."""
     return recorded is None or recorded == fingerprint(path) or recorded == _fingerprint_v0(path)

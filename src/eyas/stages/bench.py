@@ -246,6 +246,9 @@ def run(args) -> int:
                         "(or --max-prompt-tokens)")
     loaded = None
     if args.drafter:
+        other = targets.trained_for_other(Path(args.drafter), tdir)
+        if other:
+            log.warning("%s (config or tokenizer differ); benching it anyway", other)
         loaded = runtime.load_drafter(Path(args.drafter), model, args.engine, model.dtype, args.seed, tdir)
     methods = method_list(args, loaded is not None)
     packed, drafter_weights = 0, None

@@ -34,6 +34,7 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; on success it replaces `out`, on failure it is
     removed, so a half-written output never exists under the final name."""
     out = Path(out)
+    refuse_symlink_out(out)
     if out.exists() and not force and any(out.iterdir()):
         raise EyasError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -45,6 +46,14 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def refuse_symlink_out(out: Path) -> None:
+    """--out is replaced as a whole on success; a symbolic link there would be replaced, not
+    followed, so it is refused up front (before any work)."""
+    if Path(out).is_symlink():
+        raise EyasError(f"--out {out} is a symbolic link; pass the directory it points to ({Path(out).resolve()}) "
+                        "or another path")
 
 
 def refuse_out_over_inputs(out: Path, inputs: dict[str, object]) -> None:

@@ -20,7 +20,7 @@ from eyas.errors import EyasError
 from eyas.formats import data as fdata
 from eyas.formats import prompts as fprompts
 from eyas.formats.prompts import Conversation
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
 
 log = logging.getLogger(__name__)
 REGEN_BATCH = 64  # prompts per regeneration batch on a CPU (`--batch-size` default)
@@ -136,6 +136,7 @@ def _check_args(args) -> None:
     if out.exists() and any(out.iterdir()) and not args.force:
         raise EyasError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
     refuse_out_over_inputs(out, {"--input": args.input, "--exclude": args.exclude})
+    refuse_symlink_out(out)
 
 
 def _load_tokenizer(path: Path):

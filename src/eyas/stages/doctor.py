@@ -57,8 +57,18 @@ def run(args) -> int:
         raise EyasError(f"--data {args.data}: no such directory; pass a prepared data directory (eyas data prepare)")
     if args.against is not None and not args.against.exists():
         raise EyasError(f"--against {args.against}: no such file or directory")
-    if args.num_prompts < 1 or args.new_tokens < 2 or args.steps < 1:
-        raise EyasError("--num-prompts, --steps must be >= 1 and --new-tokens >= 2")
+    for flag, v, least in (("--num-prompts", args.num_prompts, 1), ("--steps", args.steps, 1),
+                           ("--new-tokens", args.new_tokens, 2)):
+        if v < least:
+            raise EyasError(f"{flag} {v}: must be >= {least}")
+    if args.target:  # the dynamic checks decode that many tokens per prompt, several times over
+        from eyas import targets
+
+        cfg = targets.text_config(targets.load_config(targets.resolve(args.target)))
+        room = int(getattr(cfg, "max_position_embeddings", 1 << 30) or 1 << 30) // 2
+        if args.new_tokens > room:
+            raise EyasError(f"--new-tokens {args.new_tokens}: at most {room} (half the target's positions; the "
+                            "default 32 is enough to measure acceptance)")
     engines = ALL_ENGINES if args.engine == "all" else (args.engine,)
     rep = diagnose(DoctorOptions(args.ckpt, args.target, engines, args.engine != "all", args.data, args.against,
                                  args.prompts, args.num_prompts, args.new_tokens, args.steps,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from eyas import targets
 from eyas.errors import EyasError, FindingsError
 from eyas.formats import checkpoint as ckpt_io
 from eyas.formats import engines
@@ -76,6 +77,8 @@ def _write(args, src: Path, layout: str, fmt: str, picked: str) -> int:
     with atomic_dir(out, force=args.force) as tmp:
         notes = engines.write_layout(cfg, state, fmt, tmp, target=args.target, meta=meta)
         problems = engines.static_check(tmp, fmt, expected=cfg, target=args.target)
+        other = targets.trained_for_other(src, engines.target_dir(args.target)) if args.target else None
+        problems += [f"{other}: pass the drafter's own --target"] if other else []
         if fmt != "eyas":
             notes += engines.engine_reading(tmp, fmt, engines.target_dir(args.target)).notes
         if problems and not args.force:

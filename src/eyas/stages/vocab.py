@@ -168,6 +168,9 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     if old["t2d"].numel() != V:
         raise EyasError(f"drafter {drafter} maps into {old['t2d'].numel()} target ids but target {path} has {V}; "
                         "pass the drafter's own target")
+    other = targets.trained_for_other(drafter, path)
+    if other:
+        raise EyasError(f"{other}; new rows would come from another target's lm_head: pass the drafter's own --target")
     new = fvocab.load_vocab(to, target_size=V)
     head = _target_head(path)  # (V, H_target)
     w = old["lm_head.weight"]
