@@ -168,6 +168,15 @@ def validate_dir(path: Path) -> dict:
     weights = list(path.glob("*.safetensors")) + list(path.glob("pytorch_model*.bin"))
     if not weights:
         raise EyasError(f"target {path}: no *.safetensors weights; save the model with save_pretrained")
+    for w in (w for w in weights if w.suffix == ".safetensors"):
+        try:  # the header only: a truncated or foreign file fails here, not halfway through a stage
+            from safetensors import safe_open
+
+            with safe_open(str(w), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises several types for a damaged file
+            raise EyasError(f"target {w}: unreadable weights ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                            "re-save or re-download the model") from e
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise EyasError(f"target {path}: no tokenizer files; save the tokenizer beside the model")
     return cfg

@@ -273,6 +273,8 @@ CASES = [
     Case("prepare-target-config-garbage", prepare(), cp("target", write(GARBAGE), "config.json"), ("config.json",)),
     Case("prepare-target-weights-missing", prepare("--regenerate"), cp("target", delete, "model.safetensors"),
          ("safetensors", "weights", "model")),
+    Case("prepare-target-weights-truncated", prepare(), cp("target", truncate(0.5), "model.safetensors"),
+         ("model.safetensors",)),
     Case("prepare-out-not-empty", prepare(), plant_out, ("--out", "out"), out_preexists=True),
     # ---- vocab build: prepared data
     Case("vbuild-data-missing", lambda e: vbuild()({**e, "prep": e["scratch"] / "nodata"}), None, ("nodata",)),
