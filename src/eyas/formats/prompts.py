@@ -319,6 +319,8 @@ def _to_conversations(path: Path, source: str, records, st: FileStats) -> list[C
         out.append(Conversation(id=f"{source}:{i}", source=source,
                                 category=record_category(rec, SCHEMA_CATEGORIES.get(schema, default_cat)),
                                 turns=turns))
+    if not st.schemas and not unknown_keys:
+        raise EyasError(f"{path}: holds no records; pass a file with prompts")
     if not st.schemas:
         keys = ", ".join(k for k, _ in unknown_keys.most_common(8)) or "none"
         raise EyasError(f"{path}: unknown schema (keys: {keys}); supported: {', '.join(SCHEMAS)} "

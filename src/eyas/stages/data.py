@@ -307,7 +307,9 @@ def run_prepare(args) -> int:
     samples = _render(tok, trimmed, args.max_len, drops)
     if not samples:
         hint = ("they have no assistant answers; pass --regenerate to let the target write them"
-                if drops["no_answer"] else "see the dropped counts with --json")
+                if drops["no_answer"] else
+                f"every sample lost its answer to --max-len {args.max_len}: raise it" if drops["truncated_away"]
+                else "see the dropped counts with --json")
         what = f"--input {' '.join(args.input)}" if args.input else f"--self-prompts {args.self_prompts}"
         raise EyasError(f"{what}: no trainable samples ({dict(drops)}); {hint}")
     splits: dict[str, list] = {"train": [], "eval": []}
