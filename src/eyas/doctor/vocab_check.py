@@ -12,6 +12,7 @@ import torch
 from eyas.core import vocab as core_vocab
 from eyas.doctor.findings import ERROR, INFO, WARNING, Finding, make
 from eyas.doctor.reading import RawCheckpoint
+from eyas.errors import EyasError
 
 
 def checkpoint_ids(raw: RawCheckpoint) -> torch.Tensor | None:
@@ -62,7 +63,10 @@ def against_data(raw: RawCheckpoint, data_dir: Path) -> tuple[list[Finding], dic
         int(max(max(s.input_ids) for s in samples if s.input_ids) + 1)
     ids = torch.tensor([i for s in samples for i in s.input_ids], dtype=torch.long)
     mask = torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.long)
-    counts = core_vocab.count_tokens(ids, mask, V)
+    try:
+        counts = core_vocab.count_tokens(ids, mask, V)
+    except EyasError as e:
+        raise EyasError(f"--data {data_dir}: {e}") from e
     n = min(mine.numel(), V)
     data_ids = core_vocab.select_ids(counts, n)
     cmp = core_vocab.compare_maps(mine, data_ids, counts)

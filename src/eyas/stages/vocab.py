@@ -126,7 +126,10 @@ def compare(a: Path, b: Path, data: Path | None = None) -> dict:
     counts = None
     if data is not None:
         _, records = fcap.read_prepared(data)
-        counts = supervised_counts(records, va.target_size)
+        try:
+            counts = supervised_counts(records, va.target_size)
+        except EyasError as e:
+            raise EyasError(f"--data {data}: {e}") from e
     return {"a": str(a), "b": str(b), **core.compare_maps(va.target_ids, vb.target_ids, counts)}
 
 
