@@ -399,3 +399,24 @@ def test_several_captures_are_trained_together(pipe, tmp_path, eyas_cli):
     two = json.loads(out)
     assert two["positions"] == 2 * one["positions"]
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+def test_resume_names_a_damaged_checkpoint_and_the_way_back(pipe, tmp_path, eyas_cli):
+    """A step checkpoint damaged on disk: --resume exits 2 naming it and saying to delete it; after
+    that it resumes from the one before. A changed --vocab is named too."""
+    import shutil
+
+    run = tmp_path / "r"
+    base = ("train", "--target", pipe["target"], "--capture", pipe["cap"], "--out", run, "--ttt", "1",
+            "--eval-every", "1", "--max-steps", "2", "--epochs", "4", *COMMON)
+    assert eyas_cli(*base, "--vocab", pipe["vocab"])[0] == 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    newest = run / "checkpoints" / "step-2"
+    (newest / "train_state.pt").write_bytes(b"not a pickle")
+    code, _, err = eyas_cli(*base, "--vocab", pipe["vocab"], "--resume")
+    assert code == 2 and str(newest / "train_state.pt") in err and f"delete {newest}" in err, err
+    shutil.rmtree(newest)
+    code, _, err = eyas_cli(*base, "--vocab", pipe["vocab"], "--resume")
+    assert code == 0, err
+    code, _, err = eyas_cli(*base, "--vocab", pipe["full"], "--resume")
+    assert code == 2 and "draft head" in err and "--vocab" in err, err

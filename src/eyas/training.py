@@ -620,7 +620,11 @@ class Trainer:
         if state["optimizer"] is not None and layout != self._optimizer_layout:
             raise EyasError(f"--resume {self.out}: {ck.name} was saved {'with' if layout == 'fqn' else 'without'} "
                             "FSDP sharding; resume with the same --fsdp setting and process count")
-        weights = read_tensors(ck / "model.safetensors")
+        try:
+            weights = read_tensors(ck / "model.safetensors")
+        except EyasError as e:
+            raise EyasError(f"--resume: {ck}/model.safetensors cannot be read; delete {ck} to resume from the "
+                            "checkpoint before it, or start a new --out") from e
         # model.safetensors holds fc.weight with the gain folded in; training continues on the
         # unfolded weight (exact: the gain is a power of two). Older states had no gain.
         gain = state.get("aux_gain", torch.ones_like(self.drafter.aux_gain.cpu()))
