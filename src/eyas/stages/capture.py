@@ -25,7 +25,7 @@ import torch
 from eyas import targets
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs
+from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
 
 log = logging.getLogger(__name__)
 PLAN_FILE = ".eyas-capture-plan.json"
@@ -189,6 +189,7 @@ def check_disk(out: Path, need: int, force: bool) -> None:
 
 def prepare_out(out: Path, pid: str, force: bool) -> None:
     """Make `out` ready: fresh, a resumable run of the same plan, or (with --force) wiped."""
+    refuse_symlink_out(out)
     out.mkdir(parents=True, exist_ok=True)
     plan_file, manifest = out / PLAN_FILE, out / "manifest.json"
     previous = None

@@ -21,7 +21,8 @@ from eyas import targets
 from eyas.core import vocab as core_vocab
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.errors import EyasError
-from eyas.stages.common import add_json_flag, emit, provenance, refuse_out_over_inputs, write_json_atomic
+from eyas.stages.common import (add_json_flag, emit, provenance, refuse_out_over_inputs, refuse_symlink_out,
+                               write_json_atomic)
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ def _check_args(args) -> None:
         raise EyasError("--vocab from-checkpoint needs --init-from CKPT")
     refuse_out_over_inputs(args.out, {"--capture": args.capture, "--data": args.data, "--vocab": args.vocab,
                                       "--init-from": args.init_from})
+    refuse_symlink_out(args.out)
 
 
 def _target_dir(spec: str) -> Path:
