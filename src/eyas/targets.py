@@ -26,7 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from safetensors import SafetensorError  # noqa: E402
+from safetensors import SafetensorError, safe_open  # noqa: E402
 
 from eyas.errors import EyasError  # noqa: E402
 
@@ -170,8 +170,6 @@ def validate_dir(path: Path) -> dict:
         raise EyasError(f"target {path}: no *.safetensors weights; save the model with save_pretrained")
     for w in (w for w in weights if w.suffix == ".safetensors"):
         try:  # the header only: a truncated or foreign file fails here, not halfway through a stage
-            from safetensors import safe_open
-
             with safe_open(str(w), framework="pt") as f:
                 f.keys()
         except Exception as e:  # safetensors raises several types for a damaged file
@@ -393,7 +391,8 @@ def trained_for_other(ckpt: Path, path: Path) -> str | None:
     except (OSError, ValueError):
         return None
     meta = meta if isinstance(meta, dict) else {}
-    recorded = meta.get("target_fingerprint") or (meta.get("trained") or {}).get("target_fingerprint")
+    trained = meta.get("trained") if isinstance(meta.get("trained"), dict) else {}  # exports nest it
+    recorded = meta.get("target_fingerprint") or trained.get("target_fingerprint")
     if not recorded or same_target(path, recorded):
         return None
     return (f"{ckpt}/eyas.json records it was trained for target fingerprint {recorded}, but {path} is "

@@ -682,10 +682,11 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
                 problems.append(f"the drafter's {f} is {getattr(r.config, f)} but --target {tdir} has {want}: "
                                 "it was trained for another target")
     ids = r.aux_layer_ids_hf if r.aux_layer_ids_hf is not None else (expected.aux_layer_ids if expected else [])
-    if num_layers is not None and any(i >= num_layers for i in ids):
-        problems.append(f"{engine} captures the inputs of layers 0..{num_layers - 1} only: aux id {num_layers} "
-                        "(the final-norm output) is never captured, so fc would get fewer states than it was "
-                        "trained on; train on ids below it")
+    late = [i for i in ids if num_layers is not None and i >= num_layers]
+    if late:
+        problems.append(f"{engine} captures the inputs of layers 0..{num_layers - 1} only: aux ids {late} are never "
+                        f"captured (id {num_layers} is the final-norm output), so fc would get fewer states than it "
+                        "was trained on; train on ids below it")
     if expected is not None:
         problems += _compare_config(r, expected, engine, num_layers is not None)
     return problems
