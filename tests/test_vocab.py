@@ -239,3 +239,29 @@ def test_cli_build_from_several_data_dirs_adds_counts(eyas_cli, tmp_path, prepar
     assert two["supervised_tokens"] == 2 * one["supervised_tokens"]  # counts add; ranks unchanged
     a, b = fvocab.load_vocab(tmp_path / "one"), fvocab.load_vocab(tmp_path / "two")
     assert torch.equal(a.d2t, b.d2t) and torch.equal(a.t2d, b.t2d)
+
+
+def test_compare_reads_a_speculators_drafter_without_head_or_maps(eyas_cli, tiny_target, tmp_path):
+    """speculators may leave out lm_head (the verifier's is used) and, over the whole vocabulary,
+    d2t/t2d: compare needs only the maps, identity in that case."""
+    from transformers import AutoConfig
+
+    from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.formats import engines
+    from eyas.formats.checkpoint import save_checkpoint
+
+    V = AutoConfig.from_pretrained(tiny_target).vocab_size
+    d = Eagle3Drafter(DrafterConfig.from_target(AutoConfig.from_pretrained(tiny_target), V, [1, 2, 3]))
+    d.t2d.fill_(True)
+    save_checkpoint(tmp_path / "ey", d, {})
+    (tmp_path / "sp").mkdir()
+    engines.export_checkpoint(tmp_path / "ey", "speculators", tmp_path / "sp", target=tiny_target)
+    w = load_file(tmp_path / "sp" / "model.safetensors")
+    save_file({k: v for k, v in w.items() if k not in ("d2t", "t2d", "lm_head.weight")},
+              str(tmp_path / "sp" / "model.safetensors"))
+    ids = torch.arange(0, V, 2)
+    fvocab.save_vocab(tmp_path / "half.safetensors", fvocab.VocabMap(core.d2t_from_ids(ids), core.t2d_from_ids(ids, V), {}))
+    code, out, err = eyas_cli("vocab", "compare", tmp_path / "sp", tmp_path / "half.safetensors", "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["size_a"] == V and s["size_b"] == ids.numel() and s["overlap"] == ids.numel(), s

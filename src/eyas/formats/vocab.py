@@ -120,8 +120,10 @@ def _weights_file(ckpt: Path) -> Path:
     raise EyasError(f"checkpoint {ckpt}: no model.safetensors or pytorch_model.bin; pass a drafter directory")
 
 
-def read_checkpoint_vocab(ckpt: Path) -> dict[str, torch.Tensor]:
-    """`d2t`, `t2d` and `lm_head.weight` of a drafter checkpoint directory (any layout)."""
+def read_checkpoint_vocab(ckpt: Path, need_head: bool = True) -> dict[str, torch.Tensor]:
+    """`d2t`, `t2d` and `lm_head.weight` of a drafter checkpoint directory (any layout).
+    Without `need_head` only the maps: a speculators checkpoint may leave out its head (it then
+    uses the verifier's) and, when it drafts over the whole vocabulary, its maps (identity)."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise EyasError(f"checkpoint {ckpt} is not a directory; pass a drafter checkpoint directory")
@@ -139,7 +141,11 @@ def read_checkpoint_vocab(ckpt: Path) -> dict[str, torch.Tensor]:
         raise
     except Exception as e:
         raise EyasError(f"checkpoint {f} cannot be read ({e}); re-save the drafter") from e
-    missing = [k for k in VOCAB_KEYS if k not in got]
+    if not need_head and "d2t" not in got and "t2d" not in got:
+        full = _full_vocabulary(ckpt)
+        if full is not None:
+            got.update(d2t=torch.zeros(full, dtype=torch.long), t2d=torch.ones(full, dtype=torch.bool))
+    missing = [k for k in VOCAB_KEYS if k not in got and (need_head or k != "lm_head.weight")]
     if missing:
         raise EyasError(f"checkpoint {f} lacks {missing}; a drafter must store d2t, t2d and lm_head.weight "
                         "(eyas convert can add them)")
@@ -147,17 +153,29 @@ def read_checkpoint_vocab(ckpt: Path) -> dict[str, torch.Tensor]:
         core.check_maps(got["d2t"], got["t2d"])
     except EyasError as e:
         raise EyasError(f"checkpoint {f}: {e}") from e
-    if got["lm_head.weight"].shape[0] != got["d2t"].numel():
+    if "lm_head.weight" in got and got["lm_head.weight"].shape[0] != got["d2t"].numel():
         raise EyasError(f"checkpoint {f}: lm_head has {got['lm_head.weight'].shape[0]} rows but d2t maps "
                         f"{got['d2t'].numel()} draft ids; the checkpoint is inconsistent")
     return got
+
+
+def _full_vocabulary(ckpt: Path) -> int | None:
+    """The target vocabulary size when config.json says the drafter drafts over all of it."""
+    try:
+        cfg = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    inner = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
+    V = cfg.get("target_vocab_size") or cfg.get("vocab_size") or inner.get("vocab_size")
+    N = cfg.get("draft_vocab_size") or V
+    return int(V) if isinstance(V, int) and N == V else None
 
 
 def load_any(path: Path) -> VocabMap:
     """A vocab file or a drafter checkpoint directory, as a VocabMap."""
     path = Path(path)
     if path.is_dir():
-        t = read_checkpoint_vocab(path)
+        t = read_checkpoint_vocab(path, need_head=False)
         return VocabMap(t["d2t"].long(), t["t2d"].bool(), {"source": "checkpoint"})
     return load_vocab(path)
 
