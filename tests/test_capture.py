@@ -198,7 +198,7 @@ def test_bad_inputs_exit_2(eyas_cli, tmp_path, prepared, tiny_target, monkeypatc
     assert code == 2 and "--force" in err and (foreign / "x.txt").exists()
 
     class Tiny:
-        free = 1000
+        total, free = 10**12, 1000
     monkeypatch.setattr(scap.shutil, "disk_usage", lambda p: Tiny)
     code, _, err = eyas_cli("capture", "--target", tiny_target, "--data", prepared, "--out", tmp_path / "o2")
     assert code == 2 and "GB free" in err and "--force" in err

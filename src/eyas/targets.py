@@ -163,6 +163,10 @@ def validate_dir(path: Path) -> dict:
         raise EyasError(f"target {cfg_file}: not valid JSON ({e}); re-save the model") from e
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise EyasError(f"target {cfg_file}: no 'model_type'; this is not a transformers config")
+    layers = (cfg.get("text_config") or {}).get("num_hidden_layers", cfg.get("num_hidden_layers")) \
+        if isinstance(cfg.get("text_config"), dict) else cfg.get("num_hidden_layers")
+    if layers is not None and not (isinstance(layers, int) and layers > 0):
+        raise EyasError(f"target {cfg_file}: num_hidden_layers {layers!r} must be a positive integer; fix config.json")
     if cfg.get("is_encoder_decoder"):
         raise EyasError(f"target {path}: encoder-decoder models are not supported; use a decoder-only LM")
     weights = list(path.glob("*.safetensors")) + list(path.glob("pytorch_model*.bin"))

@@ -329,6 +329,7 @@ CASES = [
     Case("capture-sample-id-beyond-vocab", capture(), cp("prep", sample_set(input_ids=[10**6] * 5, loss_mask=[1] * 5),
                                                           "train.jsonl"), ("train.jsonl", "vocab", "token")),
     Case("capture-data-other-target", capture(target="target2"), None, ("fingerprint", "--target", "manifest.json")),
+    Case("capture-out-not-on-a-disk", lambda e: capture()({**e, "out": Path("/proc/eyas-out")}), None, ("/proc",)),
     Case("capture-layers-out-of-range", capture("--layers", "1,2,99"), None, ("--layers",)),
     Case("capture-layers-negative", capture("--layers", "-1,2,3"), None, ("--layers",)),
     Case("capture-layers-not-ints", capture("--layers", "a,b,c"), None, ("--layers",)),
@@ -432,6 +433,8 @@ CASES = [
     Case("doctor-weights-garbage", doctor(), cp("ckpt", write(GARBAGE), "model.safetensors"), ("model.safetensors",)),
     # ---- target
     Case("target-info-missing", lambda e: ["target", "info", e["scratch"] / "notarget"], None, ("notarget",)),
+    Case("target-info-layers-negative", lambda e: ["target", "info", e["target"]],
+         cp("target", jset(num_hidden_layers=-1), "config.json"), ("num_hidden_layers",)),
     Case("target-info-config-wrong-type", lambda e: ["target", "info", e["target"]], cp("target", jreplace([]), "config.json"),
          ("config.json",)),
 ]

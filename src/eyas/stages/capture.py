@@ -180,7 +180,11 @@ def check_disk(out: Path, need: int, force: bool) -> None:
     probe = out if out.exists() else out.parent
     while not probe.exists():
         probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    usage = shutil.disk_usage(probe)
+    if usage.total == 0:  # /proc, /sys: no storage behind it
+        raise EyasError(f"--out {out}: {probe} is not on a disk (it reports no space at all); choose a directory "
+                        "on a disk")
+    free = usage.free
     log.info("needs about %.2f GB on disk; %.2f GB free at %s", need / 1e9, free / 1e9, probe)
     if need > free and not force:
         raise EyasError(f"--out {out}: about {need / 1e9:.2f} GB needed but only {free / 1e9:.2f} GB free; "
