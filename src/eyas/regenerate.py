@@ -111,13 +111,6 @@ def seed_batch(settings: GenSettings, b: int) -> None:
     torch.manual_seed(settings.seed * 1_000_003 + b)
 
 
-def _max_positions(model) -> int:
-    cfg = getattr(model, "config", None)
-    get = getattr(cfg, "get_text_config", None)
-    cfg = get() if get else cfg
-    return int(getattr(cfg, "max_position_embeddings", 1 << 30) or 1 << 30)
-
-
 def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenSettings,
                    stop_ids: list[int]) -> tuple[list[str], int]:
     """One generation step for a batch of conversations ending in a user turn.
@@ -281,7 +274,9 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
 
     work = WorkFile(work_dir, work_key(fingerprint, settings, convs))
     stats = GenStats()
-    limit = _max_positions(model)
+    from eyas import targets
+
+    limit = targets.max_positions(model.config)
     B = settings.batch_size
     # Batches of similar prompt length: a left-padded batch pays for its longest prompt in every
     # row. Answers go back to input order below.

@@ -163,13 +163,13 @@ class TargetRunner:
         self.n_layers = len(targets.find_decoder_stack(model).layers)
         self.cache: Cache | None = None
         cfg = targets.text_config(model.config)
-        self.window = getattr(cfg, "sliding_window", None) or None
         kinds = set(getattr(cfg, "layer_types", None) or [])
+        # a window applies unless the layer types leave it unused (Qwen2 without use_sliding_window)
+        uses_window = not kinds or "sliding_attention" in kinds
+        self.window = (getattr(cfg, "sliding_window", None) or None) if uses_window else None
         # transformers takes one 4D mask as is for every layer; targets mixing sliding and full
         # layers (Gemma 2/3) take a mask per layer type instead
-        self.mask_kinds = kinds if self.window and "sliding_attention" in kinds and len(kinds) > 1 else None
-        if self.window and kinds and "sliding_attention" not in kinds:
-            self.window = None  # sliding_window set but unused (e.g. Qwen2 without use_sliding_window)
+        self.mask_kinds = kinds if self.window and len(kinds) > 1 else None
 
     def reset(self, capacity: int) -> None:
         self.pool = KVPool(self.n_layers, capacity)
@@ -196,12 +196,12 @@ class TargetRunner:
 
     def tree_mask(self, tree: spec.Tree, n: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """The attention mask verifying `tree` after n cached tokens, sliding windows included."""
-        full = spec.tree_mask(tree, n, self.dtype, self.device)
         if self.window is None:
-            return full
+            return spec.tree_mask(tree, n, self.dtype, self.device)
         windowed = spec.tree_mask(tree, n, self.dtype, self.device, window=self.window)
         if self.mask_kinds is None:
             return windowed
+        full = spec.tree_mask(tree, n, self.dtype, self.device)
         return {k: windowed if k == "sliding_attention" else full for k in self.mask_kinds}
 
     def compact(self, start: int, rows: torch.Tensor) -> None:

@@ -277,6 +277,11 @@ def text_config(cfg):
     return get() if get else cfg
 
 
+def max_positions(cfg) -> int:
+    """The target's position limit (`max_position_embeddings`; unbounded when it names none)."""
+    return int(getattr(text_config(cfg), "max_position_embeddings", None) or 1 << 30)
+
+
 def logit_transform(cfg) -> tuple[float, float | None]:
     """(scale, softcap): how the target turns `last @ lm_head.T` into its logits, for the
     families transformers implements that way: Cohere `logit_scale` (multiply), Granite

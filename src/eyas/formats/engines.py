@@ -175,12 +175,17 @@ def target_dir(target) -> Path | None:
     return targets.resolve(str(target))
 
 
-def _num_layers(target: Path | None) -> int | None:
+def _target_config(target: Path | None) -> dict | None:
+    """The language-model part of a target directory's config.json (None without a target)."""
     if target is None:
         return None
     cfg = ckpt_io.read_json(Path(target) / "config.json")
-    cfg = cfg.get("text_config", cfg)
-    return int(cfg["num_hidden_layers"]) if "num_hidden_layers" in cfg else None
+    return cfg.get("text_config", cfg)
+
+
+def _num_layers(target: Path | None) -> int | None:
+    cfg = _target_config(target)
+    return int(cfg["num_hidden_layers"]) if cfg and "num_hidden_layers" in cfg else None
 
 
 def default_aux(num_layers: int) -> list[int]:
@@ -674,9 +679,8 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
     if bad:
         problems.append(f"{engine} would load non-finite weights (NaN or inf) in {bad[:4]}: the drafter's "
                         "training diverged; use an earlier checkpoint")
-    if tdir is not None:
-        tc = ckpt_io.read_json(Path(tdir) / "config.json")
-        tc = tc.get("text_config", tc)
+    tc = _target_config(tdir)
+    if tc is not None:
         for f, want in (("vocab_size", tc.get("vocab_size")), ("target_hidden_size", tc.get("hidden_size"))):
             if want is not None and getattr(r.config, f) != want:
                 problems.append(f"the drafter's {f} is {getattr(r.config, f)} but --target {tdir} has {want}: "

@@ -220,6 +220,8 @@ def check_args(args) -> None:
         raise EyasError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy), e.g. 0.7")
     if not 0 < args.top_p <= 1:
         raise EyasError(f"--top-p {args.top_p}: must lie in (0, 1], e.g. 0.95")
+    if args.draft_cutoff is not None and not 0 <= args.draft_cutoff < 1:
+        raise EyasError(f"--draft-cutoff {args.draft_cutoff}: must lie in [0, 1), e.g. {CPU_CUTOFF}")
     if args.drafter and not [m for m in args.methods.split(",") if m.strip()]:
         raise EyasError("--methods is empty: with --drafter, run chain and/or tree (e.g. --methods chain,tree)")
 
@@ -227,8 +229,6 @@ def check_args(args) -> None:
 def run(args) -> int:
     from eyas import runtime
 
-    if args.draft_cutoff is not None and not 0 <= args.draft_cutoff < 1:
-        raise EyasError(f"--draft-cutoff {args.draft_cutoff}: must lie in [0, 1), e.g. {CPU_CUTOFF}")
     check_args(args)
     refuse_out_over_inputs(args.out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts})
     device = targets.parse_device(args.device)
@@ -237,13 +237,11 @@ def run(args) -> int:
     tdir = targets.resolve(args.target)
     model, tok = targets.load(tdir, dtype=args.dtype, device=str(device))
     prompts = load_prompts(args, tok)
-    from eyas.regenerate import _max_positions
-
-    room = _max_positions(model) - max(p["ids"].numel() for p in prompts) - parse_tree(args.tree)[2] - args.k - 2
+    limit = targets.max_positions(model.config)
+    room = limit - max(p["ids"].numel() for p in prompts) - parse_tree(args.tree)[2] - args.k - 2
     if args.max_new_tokens > room:
         raise EyasError(f"--max-new-tokens {args.max_new_tokens}: the longest prompt leaves room for {max(room, 0)} "
-                        f"new tokens within the target's {_max_positions(model)} positions; lower it "
-                        "(or --max-prompt-tokens)")
+                        f"new tokens within the target's {limit} positions; lower it (or --max-prompt-tokens)")
     loaded = None
     if args.drafter:
         other = targets.trained_for_other(Path(args.drafter), tdir)

@@ -194,7 +194,7 @@ def _prompt_len(tok, conv: Conversation) -> int:
 
 def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: set[str],
                 drops: Counter) -> tuple[list[Conversation], dict]:
-    from eyas.regenerate import GenSettings, _max_positions, regenerate
+    from eyas.regenerate import GenSettings, regenerate
 
     model, tok = targets.load(path, dtype=args.dtype, device=args.device)
     packed = targets.prepack_for_decoding(model)  # fp32 CPU: 1.2-1.4x faster batched decoding, same answers
@@ -202,7 +202,7 @@ def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: 
     self_info = None
     if args.self_prompts:
         convs, self_info = _self_prompts(args, path, model, tok, convs, stats, held)
-    room = min(args.max_len, _max_positions(model) - args.max_new_tokens)
+    room = min(args.max_len, targets.max_positions(model.config) - args.max_new_tokens)
     keep = []
     for c in convs:
         if _prompt_len(tok, c) >= room:

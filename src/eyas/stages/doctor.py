@@ -64,8 +64,7 @@ def run(args) -> int:
     if args.target:  # the dynamic checks decode that many tokens per prompt, several times over
         from eyas import targets
 
-        cfg = targets.text_config(targets.load_config(targets.resolve(args.target)))
-        room = int(getattr(cfg, "max_position_embeddings", 1 << 30) or 1 << 30) // 2
+        room = targets.max_positions(targets.load_config(targets.resolve(args.target))) // 2
         if args.new_tokens > room:
             raise EyasError(f"--new-tokens {args.new_tokens}: at most {room} (half the target's positions; the "
                             "default 32 is enough to measure acceptance)")
