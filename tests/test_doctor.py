@@ -379,3 +379,79 @@ def test_untrained_drafter_for_real_target(builtin_target, eyas_cli, tmp_path):
     assert "EYAS-WEIGHTS-UNTRAINED" in ids_of(rep, "warning")
     assert "EYAS-ARCH-SUPPORTED" in ids_of(rep)
     assert "EYAS-AUX-VERSION-DEPENDENT" not in ids_of(rep)  # default ids: first SGLang id is 1
+
+
+# ---------------------------------------------------------------- sharded weights
+
+
+def _shard(src: Path, dst: Path, with_index: bool = True) -> Path:
+    """`src` with its model.safetensors split the way Hugging Face saves large models:
+    model-0000i-of-00002.safetensors (+ model.safetensors.index.json)."""
+    shutil.copytree(src, dst)
+    sd = load_file(dst / "model.safetensors")
+    (dst / "model.safetensors").unlink()
+    keys = sorted(sd)
+    parts = [keys[: len(keys) // 2], keys[len(keys) // 2:]]
+    wmap = {}
+    for i, part in enumerate(parts, 1):
+        name = f"model-{i:05d}-of-00002.safetensors"
+        save_file({k: sd[k].contiguous() for k in part}, dst / name)
+        wmap.update({k: name for k in part})
+    if with_index:
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        (dst / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": wmap}))
+    return dst
+
+
+def _merged(ckpt: Path) -> dict:
+    sd = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        sd.update(load_file(f))
+    return sd
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_sharded_drafter_reads_like_one_file(healthy, eyas_cli, tiny_target, tmp_path, fmt):
+    """doctor, import, vocab compare and remap read a drafter saved in shards exactly as the same
+    drafter in one file; remap writes the shards back with only the vocabulary tensors changed."""
+    from eyas.formats import engines
+    from eyas.formats import vocab as fvocab
+
+    one = healthy[fmt]
+    sh = _shard(one, tmp_path / "sharded", with_index=fmt == "sglang")
+    (code_a, a), (code_b, b) = doctor(eyas_cli, one, "--target", tiny_target), \
+        doctor(eyas_cli, sh, "--target", tiny_target)
+    assert code_a == code_b == 0 and b["layout"] == a["layout"] == fmt
+    assert sorted(f["id"] for f in a["findings"]) == sorted(f["id"] for f in b["findings"])
+    ca, sa, _ = engines.import_checkpoint(one, target=tiny_target)
+    cb, sb, _ = engines.import_checkpoint(sh, target=tiny_target)
+    assert ca == cb and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    code, out, err = eyas_cli("vocab", "compare", one, sh, "--json")
+    assert code == 0, err
+    assert json.loads(out)["overlap"] == int(sa["d2t"].numel())
+
+    V = json.loads((tiny_target / "config.json").read_text())["vocab_size"]
+    ids = torch.arange(0, V, 3)[: sa["d2t"].numel()]
+    fvocab.save_vocab(tmp_path / "to.safetensors", fvocab.VocabMap(core_vocab.d2t_from_ids(ids),
+                                                                  core_vocab.t2d_from_ids(ids, V)))
+    for src, out in ((one, tmp_path / "r1"), (sh, tmp_path / "r2")):
+        code, _, err = eyas_cli("vocab", "remap", "--drafter", src, "--to", tmp_path / "to.safetensors",
+                                "--target", tiny_target, "--out", out)
+        assert code == 0, err
+    r1, r2, before = _merged(tmp_path / "r1"), _merged(tmp_path / "r2"), _merged(sh)
+    assert r1.keys() == r2.keys() and all(torch.equal(r1[k], r2[k]) for k in r1)
+    assert sorted(p.name for p in (tmp_path / "r2").glob("*.safetensors")) == \
+        sorted(p.name for p in sh.glob("*.safetensors"))
+    changed = {k for k in before if not torch.equal(before[k], r2[k])}
+    assert changed <= {"d2t", "t2d", "lm_head.weight"} and "d2t" in changed
+    assert torch.equal(core_vocab.target_ids(r2["d2t"]), ids)
+
+
+def test_sharded_drafter_missing_shard_exits_2(healthy, eyas_cli, tmp_path):
+    sh = _shard(healthy["sglang"], tmp_path / "sharded")
+    (sh / "model-00002-of-00002.safetensors").unlink()
+    for args in (("doctor", sh), ("vocab", "compare", sh, healthy["sglang"])):
+        code, out, err = eyas_cli(*args)
+        assert code == 2 and err.count("\n") <= 1, err
+        assert "model.safetensors.index.json" in err and "model-00002-of-00002.safetensors" in err

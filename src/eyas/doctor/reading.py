@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
-from eyas.formats.checkpoint import find_weights, read_json, read_tensors
+from eyas.formats.checkpoint import read_json, read_weights, weights_label
 
 ENGINES = ("sglang", "vllm", "speculators")
 MID = ("input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
@@ -88,12 +88,12 @@ def read_raw(ckpt: Path) -> RawCheckpoint:
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise EyasError(f"{ckpt}: not a directory; pass a drafter checkpoint directory")
-    wf = find_weights(ckpt)
+    tensors, files = read_weights(ckpt)
     cfg_file = ckpt / "config.json"
     config = read_json(cfg_file) if cfg_file.is_file() else {}
     meta_file = ckpt / "eyas.json"
     meta = read_json(meta_file) if meta_file.is_file() else {}
-    return RawCheckpoint(ckpt, config, read_tensors(wf), meta, wf)
+    return RawCheckpoint(ckpt, config, tensors, meta, weights_label(files))
 
 
 def detect_layout(raw: RawCheckpoint) -> str:

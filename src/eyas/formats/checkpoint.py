@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from eyas.core import vocab as core_vocab
@@ -24,16 +24,21 @@ from eyas.errors import EyasError
 FORMAT = "eyas.drafter"
 VERSION = 1
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+SHARD_INDEX = "model.safetensors.index.json"
 
 
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a weights file (safetensors, or a tensor-only `.bin`/`.pt`)."""
+def read_tensors(path: Path, keys=None) -> dict[str, torch.Tensor]:
+    """All tensors of a weights file (safetensors, or a tensor-only `.bin`/`.pt`), or only those
+    of `keys` that it holds (a safetensors file then reads no other tensor)."""
     path = Path(path)
     if not path.is_file():
         raise EyasError(f"{path}: no such weights file")
     if path.suffix == ".safetensors":
         try:
-            return load_file(path)
+            if keys is None:
+                return load_file(path)
+            with safe_open(str(path), framework="pt") as h:
+                return {k: h.get_tensor(k) for k in keys if k in h.keys()}
         except (SafetensorError, OSError, ValueError) as e:
             raise EyasError(f"{path}: not a readable safetensors file ({e}); re-export it") from e
     try:
@@ -43,15 +48,55 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
                         f"{str(e).splitlines()[0][:200]}; convert it to safetensors where it was made") from e
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise EyasError(f"{path}: expected a dict of tensors; got {type(obj).__name__}")
-    return obj
+    return obj if keys is None else {k: obj[k] for k in keys if k in obj}
 
 
-def find_weights(ckpt: Path) -> Path:
-    """The weights file of a checkpoint directory (first of WEIGHT_FILES present)."""
-    for name in WEIGHT_FILES:
+def weight_files(ckpt: Path, names: tuple[str, ...] = WEIGHT_FILES) -> list[Path]:
+    """The weights of a checkpoint directory: the first of `names` present, else the shards
+    that `model.safetensors.index.json` names (else `model-*-of-*.safetensors`), all present."""
+    ckpt = Path(ckpt)
+    for name in names:
         if (ckpt / name).is_file():
-            return ckpt / name
-    raise EyasError(f"{ckpt}: no {' or '.join(WEIGHT_FILES)}; pass a drafter checkpoint directory")
+            return [ckpt / name]
+    index = ckpt / SHARD_INDEX
+    if index.is_file():
+        wmap = read_json(index).get("weight_map")
+        if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
+            raise EyasError(f"{index}: no weight_map of tensor names to shard files; re-save the checkpoint")
+        files = sorted({ckpt / v for v in wmap.values()})
+        gone = [f.name for f in files if not f.is_file()]
+        if gone:
+            raise EyasError(f"{index} names {len(gone)} missing shard(s) ({', '.join(gone[:3])}); "
+                            "copy the complete checkpoint directory")
+        return files
+    shards = sorted(ckpt.glob("model-*-of-*.safetensors"))
+    if shards:
+        return shards
+    raise EyasError(f"{ckpt}: no {' or '.join(names)} and no sharded model-*-of-*.safetensors; "
+                    "pass a drafter checkpoint directory")
+
+
+def weights_label(files: list[Path]) -> Path:
+    """The path messages name for these weights: the file, or the shards' index (or first shard)."""
+    if len(files) == 1:
+        return files[0]
+    index = files[0].parent / SHARD_INDEX
+    return index if index.is_file() else files[0]
+
+
+def read_weights(ckpt: Path, names: tuple[str, ...] = WEIGHT_FILES,
+                 keys=None) -> tuple[dict[str, torch.Tensor], list[Path]]:
+    """(tensors, files) of a checkpoint directory, one file or shards (`weight_files`);
+    `keys` limits what is read. A tensor stored in two shards is refused."""
+    files = weight_files(ckpt, names)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = read_tensors(f, keys)
+        twice = sorted(set(part) & set(state))
+        if twice:
+            raise EyasError(f"{f}: {twice[:3]} also stored in another shard; the checkpoint is inconsistent")
+        state.update(part)
+    return state, files
 
 
 def read_json(path: Path) -> dict:

@@ -121,21 +121,14 @@ class EngineReading:
 
 
 def _read_dir(ckpt: Path, files: tuple[str, ...] = ckpt_io.WEIGHT_FILES) -> tuple[dict, dict, Path]:
-    """(config.json dict, tensors, weights file) of a drafter directory."""
+    """(config.json dict, tensors, the weights' path for messages) of a drafter directory
+    (one weights file, or shards)."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise EyasError(f"{ckpt}: not a directory; pass a drafter checkpoint directory")
     raw = ckpt_io.read_json(ckpt / "config.json")
-    for name in files:
-        if (ckpt / name).is_file():
-            return raw, ckpt_io.read_tensors(ckpt / name), ckpt / name
-    sharded = sorted(ckpt.glob("model-*.safetensors"))
-    if sharded:
-        state = {}
-        for f in sharded:
-            state.update(ckpt_io.read_tensors(f))
-        return raw, state, sharded[0]
-    raise EyasError(f"{ckpt}: no {' or '.join(files)}; pass a drafter checkpoint directory")
+    state, found = ckpt_io.read_weights(ckpt, files)
+    return raw, state, ckpt_io.weights_label(found)
 
 
 def _layer_prefix(keys) -> str | None:

@@ -17,6 +17,7 @@ import torch
 
 from eyas.core import vocab as core
 from eyas.errors import EyasError
+from eyas.formats import checkpoint as ckpt_io
 
 FORMAT = "eyas.vocab"
 VERSION = 1
@@ -113,34 +114,16 @@ def load_vocab(path: Path, target_size: int | None = None) -> VocabMap:
 # ---------------------------------------------------------------- inside checkpoints
 
 
-def _weights_file(ckpt: Path) -> Path:
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (ckpt / name).is_file():
-            return ckpt / name
-    raise EyasError(f"checkpoint {ckpt}: no model.safetensors or pytorch_model.bin; pass a drafter directory")
-
-
 def read_checkpoint_vocab(ckpt: Path, need_head: bool = True) -> dict[str, torch.Tensor]:
-    """`d2t`, `t2d` and `lm_head.weight` of a drafter checkpoint directory (any layout).
-    Without `need_head` only the maps: a speculators checkpoint may leave out its head (it then
-    uses the verifier's) and, when it drafts over the whole vocabulary, its maps (identity)."""
+    """`d2t`, `t2d` and `lm_head.weight` of a drafter checkpoint directory (any layout, one
+    weights file or shards). Without `need_head` only the maps: a speculators checkpoint may
+    leave out its head (it then uses the verifier's) and, when it drafts over the whole
+    vocabulary, its maps (identity)."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise EyasError(f"checkpoint {ckpt} is not a directory; pass a drafter checkpoint directory")
-    f = _weights_file(ckpt)
-    try:
-        if f.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            with safe_open(str(f), framework="pt") as h:
-                got = {k: h.get_tensor(k) for k in VOCAB_KEYS if k in h.keys()}
-        else:
-            sd = torch.load(f, map_location="cpu", weights_only=True)
-            got = {k: sd[k] for k in VOCAB_KEYS if k in sd}
-    except EyasError:
-        raise
-    except Exception as e:
-        raise EyasError(f"checkpoint {f} cannot be read ({e}); re-save the drafter") from e
+    got, files = ckpt_io.read_weights(ckpt, keys=VOCAB_KEYS)
+    f = ckpt_io.weights_label(files)
     if not need_head and "d2t" not in got and "t2d" not in got:
         full = _full_vocabulary(ckpt)
         if full is not None:
@@ -182,22 +165,36 @@ def load_any(path: Path) -> VocabMap:
 
 def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint `src` to `out` (a fresh directory) replacing `d2t`, `t2d`,
-    `lm_head.weight` in its weights and `draft_vocab_size` in its config.json."""
+    `lm_head.weight` in the weights file (or shard) that holds each, and `draft_vocab_size` in
+    its config.json (and the shards' index total size)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     src, out = Path(src), Path(out)
-    f = _weights_file(src)
+    files = ckpt_io.weight_files(src)
     shutil.copytree(src, out, dirs_exist_ok=True)
-    if f.suffix == ".safetensors":
-        with safe_open(str(f), framework="pt") as h:
-            sd, meta = {k: h.get_tensor(k) for k in h.keys()}, h.metadata()
-        sd.update({k: v.contiguous() for k, v in tensors.items()})
-        save_file(sd, str(out / f.name), metadata=meta)
-    else:
-        sd = torch.load(f, map_location="cpu", weights_only=True)
-        sd.update(tensors)
-        torch.save(sd, out / f.name)
+    grown = 0  # bytes the replaced tensors add
+    for f in files:
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as h:
+                sd, meta = {k: h.get_tensor(k) for k in h.keys()}, h.metadata()
+        else:
+            sd, meta = torch.load(f, map_location="cpu", weights_only=True), None
+        mine = {k: v.contiguous() for k, v in tensors.items() if k in sd}
+        if not mine:
+            continue
+        grown += sum(v.numel() * v.element_size() - sd[k].numel() * sd[k].element_size() for k, v in mine.items())
+        sd.update(mine)
+        if f.suffix == ".safetensors":
+            save_file(sd, str(out / f.name), metadata=meta)
+        else:
+            torch.save(sd, out / f.name)
+    index = out / ckpt_io.SHARD_INDEX
+    if len(files) > 1 and index.is_file():
+        idx = json.loads(index.read_text())
+        if isinstance(idx.get("metadata"), dict) and isinstance(idx["metadata"].get("total_size"), int):
+            idx["metadata"]["total_size"] += grown
+            index.write_text(json.dumps(idx, indent=2) + "\n")
     cfg_file = out / "config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())
