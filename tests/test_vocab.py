@@ -265,3 +265,17 @@ def test_compare_reads_a_speculators_drafter_without_head_or_maps(eyas_cli, tiny
     assert code == 0, err
     s = json.loads(out)
     assert s["size_a"] == V and s["size_b"] == ids.numel() and s["overlap"] == ids.numel(), s
+    # remap: the head-less drafter scored with the verifier's rows; the remapped one carries exactly those
+    code, out, err = eyas_cli("vocab", "remap", "--drafter", tmp_path / "sp", "--to", tmp_path / "half.safetensors",
+                              "--target", tiny_target, "--out", tmp_path / "sp_half", "--json")
+    assert code == 0, err
+    assert json.loads(out)["head_added"] is True
+    from eyas import targets
+
+    head = targets.load(tiny_target)[0].lm_head.weight.detach().float()
+    got = load_file(tmp_path / "sp_half" / "model.safetensors")
+    assert torch.equal(got["lm_head.weight"], head[ids]) and torch.equal(core.target_ids(got["d2t"]), ids)
+    h = torch.randn(3, head.shape[1])
+    assert torch.equal(h @ got["lm_head.weight"].T, (h @ head.T)[:, ids])  # the same scores, restricted
+    cfg, state, _ = engines.import_checkpoint(tmp_path / "sp_half", target=tiny_target)
+    assert cfg.draft_vocab_size == ids.numel() and torch.equal(state["lm_head.weight"], head[ids])

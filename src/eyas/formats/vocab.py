@@ -154,6 +154,13 @@ def _full_vocabulary(ckpt: Path) -> int | None:
     return int(V) if isinstance(V, int) and N == V else None
 
 
+def _keys(f: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as h:
+        return list(h.keys())
+
+
 def load_any(path: Path) -> VocabMap:
     """A vocab file or a drafter checkpoint directory, as a VocabMap."""
     path = Path(path)
@@ -165,8 +172,8 @@ def load_any(path: Path) -> VocabMap:
 
 def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint `src` to `out` (a fresh directory) replacing `d2t`, `t2d`,
-    `lm_head.weight` in the weights file (or shard) that holds each, and `draft_vocab_size` in
-    its config.json (and the shards' index total size)."""
+    `lm_head.weight` in the weights file (or shard) that holds each (added where none does), and
+    `draft_vocab_size` in its config.json (and the shards' index)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -174,16 +181,20 @@ def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Ten
     files = ckpt_io.weight_files(src)
     shutil.copytree(src, out, dirs_exist_ok=True)
     grown = 0  # bytes the replaced tensors add
+    # keys no shard holds (the head of a drafter that scored with the verifier's) go to the last one
+    held = set().union(*(_keys(f) for f in files)) if len(files) > 1 else set()
+    new = {k for k in tensors if k not in held}
     for f in files:
         if f.suffix == ".safetensors":
             with safe_open(str(f), framework="pt") as h:
                 sd, meta = {k: h.get_tensor(k) for k in h.keys()}, h.metadata()
         else:
             sd, meta = torch.load(f, map_location="cpu", weights_only=True), None
-        mine = {k: v.contiguous() for k, v in tensors.items() if k in sd}
+        mine = {k: v.contiguous() for k, v in tensors.items() if k in sd or (k in new and f == files[-1])}
         if not mine:
             continue
-        grown += sum(v.numel() * v.element_size() - sd[k].numel() * sd[k].element_size() for k, v in mine.items())
+        grown += sum(v.numel() * v.element_size() - (sd[k].numel() * sd[k].element_size() if k in sd else 0)
+                     for k, v in mine.items())
         sd.update(mine)
         if f.suffix == ".safetensors":
             save_file(sd, str(out / f.name), metadata=meta)
@@ -194,7 +205,8 @@ def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Ten
         idx = json.loads(index.read_text())
         if isinstance(idx.get("metadata"), dict) and isinstance(idx["metadata"].get("total_size"), int):
             idx["metadata"]["total_size"] += grown
-            index.write_text(json.dumps(idx, indent=2) + "\n")
+        idx["weight_map"].update({k: files[-1].name for k in new})
+        index.write_text(json.dumps(idx, indent=2) + "\n")
     cfg_file = out / "config.json"
     if cfg_file.is_file():
         cfg = json.loads(cfg_file.read_text())

@@ -46,7 +46,9 @@ def register(sub) -> None:
     r = vsub.add_parser("remap", help="carry a drafter's lm_head rows to another draft vocabulary",
                         description="Rows of tokens in both vocabularies are carried by target id; rows of new "
                         "tokens start from the target's lm_head rows when the drafter's hidden size equals "
-                        "the target's, else zero. d2t/t2d and config draft_vocab_size are replaced.")
+                        "the target's, else zero. d2t/t2d and config draft_vocab_size are replaced. A "
+                        "drafter without lm_head (speculators, scoring with the verifier's) gets the target's "
+                        "rows for the new vocabulary, which is what it scored with.")
     r.add_argument("--drafter", type=Path, required=True, help="drafter checkpoint directory")
     r.add_argument("--to", type=Path, required=True, help="new vocab file")
     r.add_argument("--target", required=True, help="the drafter's target")
@@ -165,7 +167,7 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     if out.exists() and any(out.iterdir()) and not force:
         raise EyasError(f"--out {out} exists and is not empty; pass --force or choose another path")
     refuse_out_over_inputs(out, {"--drafter": drafter, "--to": to})
-    old = fvocab.read_checkpoint_vocab(drafter)
+    old = fvocab.read_checkpoint_vocab(drafter, need_head=False)
     path = targets.resolve(target)
     V = targets.load_config(path).vocab_size
     if old["t2d"].numel() != V:
@@ -176,7 +178,10 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
         raise EyasError(f"{other}; new rows would come from another target's lm_head: pass the drafter's own --target")
     new = fvocab.load_vocab(to, target_size=V)
     head = _target_head(path)  # (V, H_target)
-    w = old["lm_head.weight"]
+    w = old.get("lm_head.weight")
+    headless = w is None
+    if headless:  # it scores with the verifier's head (speculators): its rows are the target's own
+        w = head[core.target_ids(old["d2t"])]
     same_h = w.shape[1] == head.shape[1]
     fallback = head[new.target_ids] if same_h else None
     weight, carried = core.remap_rows(w, core.target_ids(old["d2t"]), new.target_ids, fallback)
@@ -188,7 +193,8 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return {"out": str(out), "rows": new.draft_size, "carried": carried, "new_rows": new.draft_size - carried,
-            "new_rows_from": "target lm_head" if same_h else "zeros (drafter hidden size differs from the target's)"}
+            "new_rows_from": "target lm_head" if same_h else "zeros (drafter hidden size differs from the target's)",
+            "head_added": headless}
 
 
 def _note_vocab(ckpt: Path, vm: fvocab.VocabMap) -> None:
@@ -203,6 +209,11 @@ def _note_vocab(ckpt: Path, vm: fvocab.VocabMap) -> None:
 
 def run_remap(args) -> int:
     s = remap(args.drafter, args.to, args.target, args.out, args.force)
-    emit(args, s, f"carried {s['carried']} of {s['rows']} lm_head rows by target id; {s['new_rows']} new rows "
-         f"from {s['new_rows_from']} -> {s['out']}")
+    if s["head_added"]:
+        msg = (f"the drafter had no lm_head (it scored with the verifier's); wrote the target's {s['rows']} rows "
+               f"of the new vocabulary -> {s['out']}")
+    else:
+        msg = (f"carried {s['carried']} of {s['rows']} lm_head rows by target id; {s['new_rows']} new rows "
+               f"from {s['new_rows_from']} -> {s['out']}")
+    emit(args, s, msg)
     return 0
