@@ -167,3 +167,34 @@ def test_schema_decides_category_in_a_mixed_file(tmp_path):
                  '{"turns": ["Tell me a story."], "category": "writing"}\n')
     cats = [c.category for c in load_prompt_files([f])]
     assert cats == ["code", "math", "writing"]
+
+
+def test_parquet_reads_as_the_same_records_as_jsonl(tmp_path, eyas_cli):
+    """A .parquet of records loads exactly as the JSON Lines file of the same records (the
+    JSONL reader is the reference); a file that is not Parquet exits 2 naming it."""
+    import pyarrow as pa  # installed by `datasets` (test extras)
+    import pyarrow.parquet as pq
+
+    chats = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Q{i}"},
+                           {"role": "assistant", "content": f"A{i}"}], "category": "coding" if i % 2 else "math"}
+             for i in range(5)]
+    sharegpt = [{"id": str(i), "conversations": [{"from": "human", "value": f"S{i}"}, {"from": "gpt", "value": "R"}]}
+                for i in range(3)]
+    mixed = [{"instruction": "Do X", "output": "ok"}, {"instruction": "Do Y", "input": "data", "output": "ok2"},
+             {"messages": [{"role": "user", "content": "hey"}]}, {"question": "1+1?", "answer": "2"}]
+    for name, recs in (("chat", chats), ("sg", sharegpt), ("mixed", mixed)):
+        keys = list(dict.fromkeys(k for r in recs for k in r))  # a file's columns: every record's keys
+        pq.write_table(pa.Table.from_pylist(recs, schema=pa.Table.from_pylist(
+            [{k: r.get(k) for k in keys} for r in recs]).schema), tmp_path / f"{name}.parquet")
+        ref = load_prompt_files([_jsonl(tmp_path / f"{name}.jsonl", recs)])
+        got = load_prompt_files([tmp_path / f"{name}.parquet"])
+        assert got == ref and len(got) == len(recs) and got[1].category == ref[1].category
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all\n")
+    with pytest.raises(EyasError, match="not a readable Parquet file"):
+        load_prompt_files([bad])
+    pq.write_table(pa.Table.from_pylist([{"messages": []}]).slice(0, 0), tmp_path / "empty.parquet")
+    with pytest.raises(EyasError, match="no rows"):
+        load_prompt_files([tmp_path / "empty.parquet"])
+    code, _, err = eyas_cli("data", "prepare", "--input", bad, "--out", tmp_path / "out")
+    assert code == 2 and "bad.parquet" in err and err.count("\n") <= 1 and not (tmp_path / "out").exists()

@@ -2,7 +2,9 @@
 de-duplication. Used by `eyas data prepare` and `eyas bench --prompts`.
 
 Files: a JSON array (`.json`), JSON Lines (`.jsonl`), or plain text (`.txt`, split into
-chunks at blank lines), each optionally gzip-compressed (`.gz`). A JSON file whose text
+chunks at blank lines), each optionally gzip-compressed (`.gz`), or Parquet (`.parquet`, how
+datasets on the Hugging Face hub are stored; rows read as JSON records, needs pyarrow,
+which `datasets` installs). A JSON file whose text
 does not start with `[` is read as JSON Lines. Malformed JSONL lines are repaired when
 the damage is benign (raw control characters, invalid `\\` escapes, one record split over
 two lines), otherwise counted and skipped; a file with no usable record is an error.
@@ -160,9 +162,9 @@ def add_conversations(convs: list[Conversation], extra: list[Conversation], stat
 
 
 def source_name(path: Path) -> str:
-    """File name without .gz / .json / .jsonl / .txt."""
+    """File name without .gz / .json / .jsonl / .txt / .parquet."""
     name = path.name
-    for suffix in (".gz", ".jsonl", ".json", ".txt"):
+    for suffix in (".gz", ".jsonl", ".json", ".txt", ".parquet"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     return name
@@ -220,8 +222,10 @@ def _read_text(path: Path) -> str:
 def load_file(path: Path, source: str, st: FileStats) -> list[Conversation]:
     """All conversations in one file, in file order (no de-duplication)."""
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    if path.name.endswith(".parquet"):
+        return _to_conversations(path, source, _parquet_records(path), st)
     if not name.endswith((".json", ".jsonl", ".txt")):
-        raise NotAPromptFile(f"{path}: unknown file type; use .json, .jsonl or .txt (optionally .gz)")
+        raise NotAPromptFile(f"{path}: unknown file type; use .json, .jsonl or .txt (optionally .gz), or .parquet")
     text = _read_text(path)
     if not text.strip():
         raise EyasError(f"{path}: the file is empty; pass a file with prompts")
@@ -239,6 +243,29 @@ def load_file(path: Path, source: str, st: FileStats) -> list[Conversation]:
             raise EyasError(f"{path}: none of its {st.malformed} lines is valid JSON; "
                             "pass a JSON array or JSON Lines file")
     return _to_conversations(path, source, records, st)
+
+
+def _parquet_records(path: Path) -> list[dict]:
+    """The rows of a Parquet file as dicts (nested lists and structs as lists and dicts). A
+    column a row leaves empty is dropped from that row, as the key would be absent in JSON Lines
+    (a file's columns are the union of its records' keys, so schema detection sees only real ones)."""
+    if not path.is_file():
+        raise NotAPromptFile(f"{path}: no such file; pass an existing prompt file")
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise EyasError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), "
+                        "or convert the file to JSON Lines") from e
+    try:
+        pf = pq.ParquetFile(path)
+        rows = [{k: v for k, v in r.items() if v is not None}
+                for batch in pf.iter_batches(batch_size=4096) for r in batch.to_pylist()]
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise EyasError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]}); "
+                        "pass a valid .parquet file") from e
+    if not rows:
+        raise EyasError(f"{path}: the file has no rows; pass a file with prompts")
+    return rows
 
 
 def _txt_chunks(text: str) -> list[str]:
