@@ -71,10 +71,16 @@ def run_eyas(a, feats: dict, out: Path) -> dict:
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
                             fused=True)  # as eyas.training does
     train, ev = feats["rows"][: a.train], feats["rows"][a.train:]
+    known = {}  # id(row) -> the target's full-vocabulary argmax, as `eyas train` keeps it after epoch 0
 
     def batch(r):
-        table = ttt.target_table(r["last"][None].to(lm.dtype), r["loss_mask"][None], lm, tids, d.t2d)
+        table = ttt.target_table(r["last"][None].to(lm.dtype), r["loss_mask"][None], lm, tids, d.t2d,
+                                 argmax=known.get(id(r)))
         return r["aux"][None].to(ac or torch.float32), r["input_ids"][None], table
+
+    if a.known_argmax:  # untimed, once per training row: the timed steps are then those of epochs 1+
+        for r in train:
+            known[id(r)] = batch(r)[2].argmax
 
     def step(r):
         aux, ids, table = batch(r)
@@ -186,6 +192,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--random-head", action="store_true", help="eyas ablation: random lm_head init")
+    p.add_argument("--known-argmax", action="store_true",
+                   help="eyas: time steps with the target's full-vocabulary argmax already known, as `eyas train` "
+                   "has it after its first epoch (default: computed every step, as in epoch 0)")
     p.add_argument("--only", choices=("eyas", "speculators"), help="run one framework")
     p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
     p.add_argument("--feats", type=Path, help=argparse.SUPPRESS)
