@@ -521,3 +521,38 @@ def test_sampling_runs_end_to_end(tiny, trained, method, cutoff):
     a = runtime.generate(tr, dr, _prompt(100), s)
     b = runtime.generate(tr, dr, _prompt(100), s)
     assert len(a.tokens) == 40 and a.tokens == b.tokens  # seeded: reproducible
+
+
+def test_grouped_sdpa_is_bit_identical_and_scoped(tiny_target, monkeypatch):
+    """The target's verification forwards run `runtime.sdpa_grouped` (SDPA groups the KV heads
+    itself instead of transformers copying them under a mask): logits and features bit for bit
+    those of transformers' own sdpa, for a causal chain and an explicit tree mask; the model's
+    attention setting is back to sdpa outside the runner's forwards (HF's baselines use it)."""
+    import torch.nn.functional as F
+
+    model, _ = targets.load(tiny_target)
+    tr, _ = runtime.runners(model, None, runtime.Timer("cpu"))
+    assert tr.grouped is not None and model.config._attn_implementation == "sdpa"
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(*a, **kw):
+        seen.append(bool(kw.get("enable_gqa")) and kw.get("attn_mask") is not None)
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    prompt, drafts = _prompt(3, n=20), torch.tensor([5, 9, 11, 4])
+    tree = spec.Tree(torch.tensor([7, 5, 9, 11, 4]), torch.tensor([-1, 0, 0, 1, 1]), torch.tensor([0, 1, 1, 2, 2]))
+    with torch.no_grad():
+        for mask in (None, tr.tree_mask(tree, prompt.numel())):
+            toks = tree.tokens if mask is not None else torch.cat([torch.tensor([7]), drafts])
+            pos = prompt.numel() + (tree.depth if mask is not None else torch.arange(toks.numel()))
+            outs = {}
+            for name, cfg in (("hf", None), ("grouped", tr.grouped)):
+                tr.grouped, seen[:] = cfg, []
+                tr.reset(64)
+                tr.forward(prompt, torch.arange(prompt.numel()), features=False)
+                outs[name] = tr.forward(toks, pos, mask)
+                assert any(seen) == (name == "grouped"), (name, mask is None)
+            assert all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["grouped"]))
+            tr.grouped = cfg
+    assert model.config._attn_implementation == "sdpa"

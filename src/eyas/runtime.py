@@ -150,6 +150,61 @@ class PreallocLayer(DynamicLayer):
             self._view()
 
 
+# ---------------------------------------------------------------- target attention
+
+GROUPED_SDPA = "eyas_sdpa_grouped"
+
+
+def sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention, except that grouped KV heads reach SDPA as they are
+    (`enable_gqa`) under a mask too. On a CPU transformers copies each KV head to all of its
+    query heads whenever a mask is present, i.e. the whole KV cache per layer in every
+    verification forward (SmolLM2: 3 KV heads -> 9). SDPA's own grouping computes the same
+    values bit for bit (test_speculative.py) without the copy. Without a mask, with one KV head
+    per query head, or with anything else sdpa handles (position bias, paged cache), transformers'
+    own function runs."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (attention_mask is None or query.shape[1] == key.shape[1] or kwargs.get("position_bias") is not None
+            or kwargs.get("cache") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _grouped_config(model):
+    """The config whose `_attn_implementation` the decoder layers read, when switching it to
+    `sdpa_grouped` applies (CPU, sdpa, grouped KV heads); else None. On CUDA a mask with
+    `enable_gqa` can send SDPA to its math kernel, so there transformers' choice stands."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    attn = getattr(targets.find_decoder_stack(model).layers[0], "self_attn", None)
+    cfg = getattr(attn, "config", None)
+    if (next(model.parameters()).device.type != "cpu" or cfg is None
+            or getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(attn, "num_key_value_groups", 1) <= 1):
+        return None
+    AttentionInterface.register(GROUPED_SDPA, sdpa_grouped)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)
+    return cfg
+
+
+@contextlib.contextmanager
+def grouped_attention(cfg):
+    """Run the target's forwards inside with `sdpa_grouped` (cfg from `_grouped_config`; None:
+    unchanged). Only inside: the same model also runs Hugging Face's own baselines."""
+    if cfg is None:
+        yield
+        return
+    prev, cfg._attn_implementation = cfg._attn_implementation, GROUPED_SDPA
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = prev
+
+
 class TargetRunner:
     """The target with a preallocated KV cache; each forward optionally returns the features
     the drafter consumes (aux states, or the final-norm state when aux capture is off)."""
@@ -170,6 +225,7 @@ class TargetRunner:
         # transformers takes one 4D mask as is for every layer; targets mixing sliding and full
         # layers (Gemma 2/3) take a mask per layer type instead
         self.mask_kinds = kinds if self.window and len(kinds) > 1 else None
+        self.grouped = _grouped_config(model)
 
     def reset(self, capacity: int) -> None:
         self.pool = KVPool(self.n_layers, capacity)
@@ -186,7 +242,7 @@ class TargetRunner:
                   past_key_values=self.cache, use_cache=True)
         if mask is not None:
             kw["attention_mask"] = mask
-        with self.timer("target"):
+        with self.timer("target"), grouped_attention(self.grouped):
             if not features:
                 return self.model(**kw).logits[0], None
             with targets.capture_aux(self.model, self.aux_ids) as cap:
