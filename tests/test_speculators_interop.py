@@ -7,6 +7,7 @@ float ops differently: fused vs split RMSNorm, sdpa masks), and the draft argmax
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,23 @@ def test_speculators_trained_drafter_imports_with_equal_logits(nbr, tiny_target,
     assert E.static_check(tmp_path / "spec", "vllm", expected=drafter.cfg, target=tiny_target) == []
     code, _, err = eyas_cli("convert", tmp_path / "spec", "--to", "sglang", "--out", tmp_path / "sg")
     assert (code == 1 and "norm_before_residual" in err) if nbr else code == 0
+
+
+def test_speculators_sharded_save_reads_like_one_file(tiny_target, tmp_path, eyas_cli):
+    """speculators' own `save_pretrained(max_shard_size=...)` writes Hugging Face shards and an
+    index; eyas imports them to the same logits as the peer's model, and doctor reads them."""
+    model = train_speculators_drafter(tiny_target, tmp_path / "one", False)
+    model.save_pretrained(tmp_path / "sh", max_shard_size="100KB")
+    shards = sorted(p.name for p in (tmp_path / "sh").glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "sh" / "model.safetensors.index.json").is_file(), shards
+    code, _, err = eyas_cli("convert", tmp_path / "sh", "--to", "eyas", "--out", tmp_path / "ey")
+    assert code == 0, err
+    drafter, _ = ck.load_checkpoint(tmp_path / "ey", E.target_embedding(tiny_target)[0])
+    aux, ids, pos = features(drafter.cfg)
+    torch.testing.assert_close(speculators_logits(model, aux, ids, pos), eyas_logits(drafter, aux, ids, pos),
+                               atol=ATOL, rtol=0)
+    code, out, err = eyas_cli("doctor", tmp_path / "sh", "--target", tiny_target, "--json")
+    assert code in (0, 1), err
+    assert json.loads(out)["layout"] == "speculators"
+    code, out, err = eyas_cli("vocab", "compare", tmp_path / "sh", tmp_path / "one", "--json")
+    assert code == 0 and json.loads(out)["identical"], err
