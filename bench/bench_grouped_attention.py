@@ -14,7 +14,6 @@ same. Both on prepacked fp32 weights, as `eyas bench` runs them.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,8 @@ from pathlib import Path
 import torch
 
 from eyas import runtime, targets
+
+import ab_args  # bench/ab_args.py, beside this script
 
 
 def forwards(tr: runtime.TargetRunner, grouped, context: int, sizes: list[int], repeats: int) -> None:
@@ -78,19 +79,7 @@ def decoding(model, tok, grouped, drafter: str, prompt_files: list[str], limit: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default=targets.DEFAULT_TARGET)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--context", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=11)
-    ap.add_argument("--sizes", default="1,2,6,16")
-    ap.add_argument("--drafter", help="drafter checkpoint: also compare decoding")
-    ap.add_argument("--prompts", nargs="*", default=[])
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--tree", default="4,5,16")
-    a = ap.parse_args()
+    a = ab_args.parser(__doc__, 11, "1,2,6,16", 48).parse_args()
     torch.set_num_threads(a.threads)
     model, tok = targets.load(targets.resolve(a.target), dtype="fp32", device="cpu")
     targets.prepack_for_decoding(model)

@@ -13,7 +13,6 @@ same build's plain decoding, and whether every output is the unpacked plain outp
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -22,6 +21,8 @@ import torch
 
 from eyas import runtime, targets
 from eyas.core import prepack
+
+import ab_args  # bench/ab_args.py, beside this script
 
 
 def forward_ms(runners: dict, prompt: torch.Tensor, T: int, repeats: int) -> dict[str, float]:
@@ -77,19 +78,7 @@ def decoding(models: dict, tok, drafter: str, prompt_files: list[str], limit: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default=targets.DEFAULT_TARGET)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--context", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--sizes", default="1,2,4,6,8,12,16,24,32")
-    ap.add_argument("--drafter", help="drafter checkpoint: also compare decoding")
-    ap.add_argument("--prompts", nargs="*", default=[])
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--tree", default="4,5,16")
-    a = ap.parse_args()
+    a = ab_args.parser(__doc__, 7, "1,2,4,6,8,12,16,24,32", 64).parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model, tok = targets.load(targets.resolve(a.target), dtype="fp32", device="cpu")
