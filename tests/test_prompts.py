@@ -198,3 +198,27 @@ def test_parquet_reads_as_the_same_records_as_jsonl(tmp_path, eyas_cli):
         load_prompt_files([tmp_path / "empty.parquet"])
     code, _, err = eyas_cli("data", "prepare", "--input", bad, "--out", tmp_path / "out")
     assert code == 2 and "bad.parquet" in err and err.count("\n") <= 1 and not (tmp_path / "out").exists()
+
+
+def test_arrow_and_save_to_disk_read_as_the_same_records(tmp_path):
+    """An Arrow file and a `datasets` save_to_disk directory (the peers' own writer) load exactly
+    as the JSON Lines file of the same records."""
+    import datasets
+    import pyarrow as pa
+
+    recs = [{"conversations": [{"from": "human", "value": f"S{i}"}, {"from": "gpt", "value": "R"}], "id": str(i)}
+            for i in range(4)] + [{"instruction": "Do X", "output": "ok"}]
+    ref = load_prompt_files([_jsonl(tmp_path / "t.jsonl", recs)])
+    keys = list(dict.fromkeys(k for r in recs for k in r))  # a table's columns: every record's keys
+    full = [{k: r.get(k) for k in keys} for r in recs]
+    datasets.Dataset.from_list(full).save_to_disk(str(tmp_path / "t"))
+    assert load_prompt_files([tmp_path / "t"]) == ref and len(ref) == len(recs)
+    table = pa.Table.from_pylist(full)
+    for name, writer in (("t.arrow", pa.ipc.new_stream), ("u.arrow", pa.ipc.new_file)):
+        with writer(str(tmp_path / name), table.schema) as w:
+            w.write_table(table)
+        got = load_prompt_files([tmp_path / name])
+        assert [c.turns for c in got] == [c.turns for c in ref] and len(got) == len(ref)
+    (tmp_path / "bad.arrow").write_bytes(b"not arrow")
+    with pytest.raises(EyasError, match="not a readable Arrow file"):
+        load_prompt_files([tmp_path / "bad.arrow"])

@@ -2,9 +2,10 @@
 de-duplication. Used by `eyas data prepare` and `eyas bench --prompts`.
 
 Files: a JSON array (`.json`), JSON Lines (`.jsonl`), or plain text (`.txt`, split into
-chunks at blank lines), each optionally gzip-compressed (`.gz`), or Parquet (`.parquet`, how
-datasets on the Hugging Face hub are stored; rows read as JSON records, needs pyarrow,
-which `datasets` installs). A JSON file whose text
+chunks at blank lines), each optionally gzip-compressed (`.gz`); or tables, whose rows are read
+as JSON records: Parquet (`.parquet`, how datasets on the Hugging Face hub are stored), Arrow
+(`.arrow`), or a directory written by `datasets`' `save_to_disk` (needs pyarrow, which
+`datasets` installs). A JSON file whose text
 does not start with `[` is read as JSON Lines. Malformed JSONL lines are repaired when
 the damage is benign (raw control characters, invalid `\\` escapes, one record split over
 two lines), otherwise counted and skipped; a file with no usable record is an error.
@@ -162,9 +163,9 @@ def add_conversations(convs: list[Conversation], extra: list[Conversation], stat
 
 
 def source_name(path: Path) -> str:
-    """File name without .gz / .json / .jsonl / .txt / .parquet."""
+    """File name without .gz / .json / .jsonl / .txt / .parquet / .arrow."""
     name = path.name
-    for suffix in (".gz", ".jsonl", ".json", ".txt", ".parquet"):
+    for suffix in (".gz", ".jsonl", ".json", ".txt", ".parquet", ".arrow"):
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     return name
@@ -222,10 +223,11 @@ def _read_text(path: Path) -> str:
 def load_file(path: Path, source: str, st: FileStats) -> list[Conversation]:
     """All conversations in one file, in file order (no de-duplication)."""
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    if path.name.endswith(".parquet"):
-        return _to_conversations(path, source, _parquet_records(path), st)
+    if path.name.endswith((".parquet", ".arrow")) or (path / "state.json").is_file():
+        return _to_conversations(path, source, _table_records(path), st)
     if not name.endswith((".json", ".jsonl", ".txt")):
-        raise NotAPromptFile(f"{path}: unknown file type; use .json, .jsonl or .txt (optionally .gz), or .parquet")
+        raise NotAPromptFile(f"{path}: unknown file type; use .json, .jsonl or .txt (optionally .gz), .parquet, "
+                             ".arrow or a `datasets` save_to_disk directory")
     text = _read_text(path)
     if not text.strip():
         raise EyasError(f"{path}: the file is empty; pass a file with prompts")
@@ -245,26 +247,41 @@ def load_file(path: Path, source: str, st: FileStats) -> list[Conversation]:
     return _to_conversations(path, source, records, st)
 
 
-def _parquet_records(path: Path) -> list[dict]:
-    """The rows of a Parquet file as dicts (nested lists and structs as lists and dicts). A
-    column a row leaves empty is dropped from that row, as the key would be absent in JSON Lines
-    (a file's columns are the union of its records' keys, so schema detection sees only real ones)."""
-    if not path.is_file():
+def _table_records(path: Path) -> list[dict]:
+    """The rows of a Parquet or Arrow file, or of a `datasets` save_to_disk directory (its
+    state.json lists the Arrow files), as dicts (nested lists and structs as lists and dicts).
+    A column a row leaves empty is dropped from that row, as the key would be absent in JSON
+    Lines (a table's columns are the union of its records' keys, so schema detection sees only
+    real ones)."""
+    if not path.exists():
         raise NotAPromptFile(f"{path}: no such file; pass an existing prompt file")
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError as e:
-        raise EyasError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), "
+        raise EyasError(f"{path}: reading tables needs pyarrow (pip install pyarrow), "
                         "or convert the file to JSON Lines") from e
     try:
-        pf = pq.ParquetFile(path)
-        rows = [{k: v for k, v in r.items() if v is not None}
-                for batch in pf.iter_batches(batch_size=4096) for r in batch.to_pylist()]
-    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise EyasError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]}); "
-                        "pass a valid .parquet file") from e
+        if path.is_dir():
+            files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
+        else:
+            files = [path]
+        rows = []
+        for f in files:
+            if f.suffix == ".parquet":
+                table = pq.read_table(f)
+            else:  # `datasets` writes the Arrow stream format; other tools the file format
+                try:
+                    table = pa.ipc.open_stream(f.read_bytes()).read_all()
+                except pa.ArrowInvalid:
+                    table = pa.ipc.open_file(f.read_bytes()).read_all()
+            rows += [{k: v for k, v in r.items() if v is not None} for r in table.to_pylist()]
+    except (OSError, ValueError, KeyError, TypeError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        what = "save_to_disk directory" if path.is_dir() else f"{path.suffix[1:].capitalize()} file"
+        raise EyasError(f"{path}: not a readable {what} ({str(e).splitlines()[0][:200]}); "
+                        f"pass a valid {'directory' if path.is_dir() else path.suffix + ' file'}") from e
     if not rows:
-        raise EyasError(f"{path}: the file has no rows; pass a file with prompts")
+        raise EyasError(f"{path}: the table has no rows; pass a file with prompts")
     return rows
 
 

@@ -43,7 +43,7 @@ def register(sub) -> None:
     p.add_argument("--drafter", help="eyas drafter checkpoint (or any layout with --engine); omit to run "
                    "the baselines only")
     p.add_argument("--prompts", nargs="+", default=["builtin-eval"], metavar="FILE",
-                   help="prompt files (json/jsonl/txt/parquet; first user turn, chat template applied) or "
+                   help="prompt files (json/jsonl/txt/parquet/arrow; first user turn, chat template applied) or "
                    "`builtin-eval` = the eval split of --data")
     p.add_argument("--data", help="prepared data directory (for --prompts builtin-eval)")
     p.add_argument("--max-new-tokens", type=int, default=128)
