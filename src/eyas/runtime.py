@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from eyas import targets
 from eyas.core import speculative as spec
@@ -163,8 +164,6 @@ def sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0
     values bit for bit (test_speculative.py) without the copy. Without a mask, with one KV head
     per query head, or with anything else sdpa handles (position bias, paged cache), transformers'
     own function runs."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if (attention_mask is None or query.shape[1] == key.shape[1] or kwargs.get("position_bias") is not None
             or kwargs.get("cache") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

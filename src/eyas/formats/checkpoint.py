@@ -51,6 +51,15 @@ def read_tensors(path: Path, keys=None) -> dict[str, torch.Tensor]:
     return obj if keys is None else {k: obj[k] for k in keys if k in obj}
 
 
+def safetensors_header(path: Path) -> tuple[list[str], dict[str, str] | None]:
+    """(tensor names, metadata) of a safetensors file, without reading any tensor."""
+    try:
+        with safe_open(str(path), framework="pt") as h:
+            return list(h.keys()), h.metadata()
+    except (SafetensorError, OSError, ValueError) as e:
+        raise EyasError(f"{path}: not a readable safetensors file ({e}); re-export it") from e
+
+
 def weight_files(ckpt: Path, names: tuple[str, ...] = WEIGHT_FILES) -> list[Path]:
     """The weights of a checkpoint directory: the first of `names` present, else the shards
     that `model.safetensors.index.json` names (else `model-*-of-*.safetensors`), all present."""

@@ -176,9 +176,12 @@ def _target_config(target: Path | None) -> dict | None:
     return cfg.get("text_config", cfg)
 
 
-def _num_layers(target: Path | None) -> int | None:
-    cfg = _target_config(target)
+def _layer_count(cfg: dict | None) -> int | None:
     return int(cfg["num_hidden_layers"]) if cfg and "num_hidden_layers" in cfg else None
+
+
+def _num_layers(target: Path | None) -> int | None:
+    return _layer_count(_target_config(target))
 
 
 def default_aux(num_layers: int) -> list[int]:
@@ -661,7 +664,8 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
         rec = ckpt_io.read_json(out_dir / "eyas.json").get("drafter_config")
         expected = DrafterConfig.from_dict(rec) if rec else None
     tdir = target_dir(target)
-    num_layers = _num_layers(tdir)
+    tc = _target_config(tdir)
+    num_layers = _layer_count(tc)
     r = engine_reading(out_dir, engine, tdir)
     problems = list(r.errors)
     problems += [f"{engine} would leave {k} at random init (missing from the file)" for k in r.missing]
@@ -672,7 +676,6 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
     if bad:
         problems.append(f"{engine} would load non-finite weights (NaN or inf) in {bad[:4]}: the drafter's "
                         "training diverged; use an earlier checkpoint")
-    tc = _target_config(tdir)
     if tc is not None:
         for f, want in (("vocab_size", tc.get("vocab_size")), ("target_hidden_size", tc.get("hidden_size"))):
             if want is not None and getattr(r.config, f) != want:

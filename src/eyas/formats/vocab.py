@@ -154,13 +154,6 @@ def _full_vocabulary(ckpt: Path) -> int | None:
     return int(V) if isinstance(V, int) and N == V else None
 
 
-def _keys(f: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(f), framework="pt") as h:
-        return list(h.keys())
-
-
 def load_any(path: Path) -> VocabMap:
     """A vocab file or a drafter checkpoint directory, as a VocabMap."""
     path = Path(path)
@@ -173,8 +166,7 @@ def load_any(path: Path) -> VocabMap:
 def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Copy checkpoint `src` to `out` (a fresh directory) replacing `d2t`, `t2d`,
     `lm_head.weight` in the weights file (or shard) that holds each (added where none does), and
-    `draft_vocab_size` in its config.json (and the shards' index)."""
-    from safetensors import safe_open
+    `draft_vocab_size` in its config.json (and the shards' index). One shard in memory at a time."""
     from safetensors.torch import save_file
 
     src, out = Path(src), Path(out)
@@ -182,14 +174,10 @@ def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Ten
     shutil.copytree(src, out, dirs_exist_ok=True)
     grown = 0  # bytes the replaced tensors add
     # keys no shard holds (the head of a drafter that scored with the verifier's) go to the last one
-    held = set().union(*(_keys(f) for f in files)) if len(files) > 1 else set()
+    held = set().union(*(ckpt_io.safetensors_header(f)[0] for f in files)) if len(files) > 1 else set()
     new = {k for k in tensors if k not in held}
     for f in files:
-        if f.suffix == ".safetensors":
-            with safe_open(str(f), framework="pt") as h:
-                sd, meta = {k: h.get_tensor(k) for k in h.keys()}, h.metadata()
-        else:
-            sd, meta = torch.load(f, map_location="cpu", weights_only=True), None
+        sd = ckpt_io.read_tensors(f)
         mine = {k: v.contiguous() for k, v in tensors.items() if k in sd or (k in new and f == files[-1])}
         if not mine:
             continue
@@ -197,7 +185,7 @@ def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Ten
                      for k, v in mine.items())
         sd.update(mine)
         if f.suffix == ".safetensors":
-            save_file(sd, str(out / f.name), metadata=meta)
+            save_file(sd, str(out / f.name), metadata=ckpt_io.safetensors_header(f)[1])
         else:
             torch.save(sd, out / f.name)
     index = out / ckpt_io.SHARD_INDEX
