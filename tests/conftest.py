@@ -33,6 +33,19 @@ def tiny_targets(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def other_target(tmp_path_factory, tiny_tokenizer):
+    """other_target(kind): a tiny random target of a family the suite does not run everywhere
+    (tiny.py: gpt_oss, deepseek_v3, falcon, gpt_neox), built on first use."""
+    root, made = tmp_path_factory.mktemp("other_targets"), {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = tiny.build_target(root / kind, kind=kind, tokenizer=tiny_tokenizer)
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_target(tiny_targets) -> Path:
     """The default tiny target: a 4-layer Llama, hidden 64, vocab ~256."""
     return tiny_targets["llama"]

@@ -286,6 +286,34 @@ def test_cli_convert_chain(eyas_cli, eyas_ckpt, tiny_target, tmp_path):
     assert all(torch.equal(v, d0.trainable_state_dict()[k]) for k, v in d.trainable_state_dict().items())
 
 
+@pytest.mark.parametrize("kind", ["falcon", "gpt_neox"])
+def test_targets_with_other_names_train_and_convert(kind, other_target, eyas_cli, tmp_path, monkeypatch):
+    """Falcon names its MLP width `ffn_hidden_size`, and Falcon and GPT-NeoX their embeddings
+    `word_embeddings` / `embed_in`: train sizes the drafter from the first (it stopped with an
+    AttributeError), convert finds the second (it exited 2 blaming the target)."""
+    from transformers import AutoModelForCausalLM
+
+    target = other_target(kind)
+    monkeypatch.setenv("EYAS_NO_PROGRESS", "1")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"explain step {i}"},
+                                                      {"role": "assistant", "content": f"the answer is {i} plus two"}]})
+                             + "\n" for i in range(6)))
+    for argv in (("data", "prepare", "--target", target, "--input", chats, "--out", tmp_path / "data"),
+                 ("vocab", "build", "--data", tmp_path / "data", "--size", "40", "--out", tmp_path / "v.safetensors"),
+                 ("capture", "--target", target, "--data", tmp_path / "data", "--out", tmp_path / "cap", "--dtype", "fp32"),
+                 ("train", "--target", target, "--capture", tmp_path / "cap", "--vocab", tmp_path / "v.safetensors",
+                  "--max-steps", "2", "--dtype", "fp32", "--out", tmp_path / "run"),
+                 ("convert", tmp_path / "run" / "final", "--to", "speculators", "--out", tmp_path / "sp",
+                  "--target", target)):
+        code, _, err = eyas_cli(*argv)
+        assert code == 0, (argv[:2], err)
+    want = AutoModelForCausalLM.from_pretrained(target).get_input_embeddings().weight
+    assert torch.equal(load_file(tmp_path / "sp" / "model.safetensors")["embed_tokens.weight"], want)
+    run = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert run["intermediate_size"] == (256 if kind == "falcon" else 128)  # ffn_hidden_size = 4 x hidden
+
+
 def test_cli_refuses_flag_the_engine_ignores(eyas_cli, tiny_target, tmp_path):
     ck.save_checkpoint(tmp_path / "nbr", make_drafter(tiny_target, norm_before_residual=True), {})
     code, _, err = eyas_cli("export", tmp_path / "nbr", "--to", "sglang", "--out", tmp_path / "o")

@@ -1,5 +1,6 @@
 """Tiny random targets built in code (no network): a BPE tokenizer trained here with a
-ChatML chat template, and 2-4 layer Llama / Qwen2 / Mistral / Gemma models of hidden 32-64."""
+ChatML chat template, and 2-4 layer Llama / Qwen2 / Mistral / Gemma models of hidden 32-64
+(and GPT-OSS / DeepSeek-V3 / Falcon / GPT-NeoX for the tests of their peculiarities)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,19 @@ def _config(kind: str, vocab: int, hidden: int, layers: int):
                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if kind == "gemma":
         common.update(head_dim=hidden // 4, hidden_activation="gelu_pytorch_tanh")
+    # Families with their own attention or names, for the tests that cover them (OTHER_KINDS):
+    if kind == "gpt_oss":  # attention sinks kept on the attention modules, sliding layers, MoE
+        common.update(head_dim=hidden // 4, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    if kind == "deepseek_v3":  # MLA: query/key heads 24 wide, value heads 16, as in DeepSeek-V3 (192 / 128)
+        common.update(kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                      n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                      moe_intermediate_size=32, n_shared_experts=1, num_key_value_heads=4)
+    if kind in ("falcon", "gpt_neox"):  # MLP width and embedding under other names
+        del common["num_key_value_heads"]
+    if kind == "falcon":
+        del common["intermediate_size"]
+        common.update(new_decoder_architecture=True, num_kv_heads=2, alibi=False, parallel_attn=True, bias=False)
     return AutoConfig.for_model(kind, **common)
 
 
@@ -71,7 +85,7 @@ def build_target(out: Path, kind: str = "llama", hidden: int = 64, layers: int =
     # Random init with std 0.02 gives near-uniform logits; a larger head makes greedy
     # decoding and the draft distributions non-trivial.
     with torch.no_grad():
-        model.lm_head.weight.normal_(0, 0.5)
+        model.get_output_embeddings().weight.normal_(0, 0.5)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -198,6 +198,8 @@ def gqa_attention(module, query, key, value, attention_mask, scaling: float, dro
     query heads share their KV head through a broadcast matmul instead of transformers'
     eager `repeat_kv` copy (B x heads x S x d per layer and step), and skip sdpa's CPU flash
     kernel, which is slow for one query. Softmax in fp32, as eager attention does."""
+    if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:  # `_plain_attention` keeps them out
+        raise NotImplementedError("gqa_attention has no attention sinks or logit soft-capping")
     B, H, T, D = query.shape
     kvh, S = key.shape[1], key.shape[2]
     q = query.reshape(B, kvh, (H // kvh) * T, D)  # head h uses KV head h // (H // kvh)
@@ -205,8 +207,8 @@ def gqa_attention(module, query, key, value, attention_mask, scaling: float, dro
     if attention_mask is not None:
         scores = scores + attention_mask[..., :S]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = probs.view(B, kvh, (H // kvh) * T, S) @ value
-    return out.view(B, H, T, D).transpose(1, 2), None
+    out = probs.view(B, kvh, (H // kvh) * T, S) @ value  # values may be narrower than keys (DeepSeek's MLA)
+    return out.view(B, H, T, value.shape[-1]).transpose(1, 2), None
 
 
 def _register_decode_attention() -> str:
@@ -220,9 +222,12 @@ def _register_decode_attention() -> str:
 
 def _plain_attention(model) -> bool:
     """Whether the target's attention is plain scaled dot product (no logit soft-capping or
-    attention sinks, which `gqa_attention` does not implement)."""
+    attention sinks, which `gqa_attention` does not implement). Sinks are looked for in the
+    config and on the modules: gpt-oss keeps them as a parameter of each attention layer."""
     cfg = model.config.get_text_config()
-    return not any(getattr(cfg, k, None) for k in ("attn_logit_softcapping", "attention_sink", "sinks"))
+    if any(getattr(cfg, k, None) for k in ("attn_logit_softcapping", "attention_sink", "sinks")):
+        return False
+    return not any(hasattr(m, "sinks") for m in model.modules())
 
 
 def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSettings, stop_ids: list[int],

@@ -28,6 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 from safetensors import SafetensorError, safe_open  # noqa: E402
 
+from eyas.core.drafter import mlp_width  # noqa: E402
 from eyas.errors import EyasError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -327,7 +328,7 @@ def info(path: Path) -> dict:
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
-        "intermediate_size": getattr(cfg, "intermediate_size", None),
+        "intermediate_size": mlp_width(cfg),
         "vocab_size": cfg.vocab_size,
         "default_aux_layers": default_aux_layers(L),
         "chat_template": has_template,

@@ -71,9 +71,9 @@ class DrafterConfig:
             hidden_size=tcfg.hidden_size,
             target_hidden_size=tcfg.hidden_size,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or getattr(tcfg, "num_kv_heads", None) or heads,
             head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-            intermediate_size=tcfg.intermediate_size,
+            intermediate_size=mlp_width(tcfg),
             vocab_size=tcfg.vocab_size,
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=list(aux_layer_ids),
@@ -94,6 +94,13 @@ class DrafterConfig:
         if unknown:
             raise ValueError(f"unknown drafter config keys {sorted(unknown)}")
         return cls(**d)
+
+
+def mlp_width(tcfg) -> int:
+    """The target's MLP width under its own name (Falcon: `ffn_hidden_size`; 4x hidden where
+    the config names none, as GPT-2-style configs mean)."""
+    return int(getattr(tcfg, "intermediate_size", None) or getattr(tcfg, "ffn_hidden_size", None)
+               or 4 * tcfg.hidden_size)
 
 
 class RMSNorm(nn.Module):

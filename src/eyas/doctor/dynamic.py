@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+from eyas.core.drafter import DrafterConfig, Eagle3Drafter, mlp_width
 from eyas.core.ttt import TTTAttention, shift_left, step_inputs
 from eyas.doctor.findings import INFO, WARNING, Finding, make
 from eyas.doctor.reading import EngineReading, RawCheckpoint, intended_aux_ids
@@ -116,7 +116,7 @@ def drafter_config(raw: RawCheckpoint, tcfg, n_aux: int) -> DrafterConfig:
     hd = d["q_out"] // nh if d["q_out"] else tcfg.hidden_size // nh
     over = dict(hidden_size=d["H"], num_attention_heads=nh, head_dim=hd,
                 num_key_value_heads=(d["k_out"] // hd) if d["k_out"] else nh,
-                intermediate_size=d["inter"] or tcfg.intermediate_size,
+                intermediate_size=d["inter"] or mlp_width(tcfg),
                 target_hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size)
     for k in ("rms_norm_eps", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         v = cfg_get(c, k)

@@ -573,6 +573,13 @@ def engine_config(cfg: DrafterConfig, fmt: str, dtype: torch.dtype = torch.float
     return out
 
 
+# The input embedding's name across Hugging Face families: Llama-style, GPT-NeoX, Falcon/BLOOM,
+# GPT-2/MPT, InternLM. Checked in this order; the shortest key wins within one name, so a
+# DeepSeek checkpoint's `model.embed_tokens.weight` beats its MTP layer's copy.
+EMBED_NAMES = ("embed_tokens.weight", "embed_in.weight", "word_embeddings.weight", "wte.weight",
+               "tok_embeddings.weight")
+
+
 def target_embedding(target) -> tuple[torch.Tensor, Path]:
     """The target's input embedding, read from its safetensors without loading the model."""
     from safetensors import safe_open
@@ -580,13 +587,17 @@ def target_embedding(target) -> tuple[torch.Tensor, Path]:
     from eyas import targets
 
     tdir = targets.resolve(str(target))
+    where = {}
     for f in sorted(tdir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                if k.endswith("embed_tokens.weight") and "draft" not in k:
-                    return h.get_tensor(k), tdir
-    raise EyasError(f"--target {target}: no *embed_tokens.weight in its safetensors files; pass the target "
-                    "the drafter was trained for")
+            where.update((k, f) for k in h.keys() if "draft" not in k)
+    for name in EMBED_NAMES:
+        found = sorted((k for k in where if k.split(".")[-2:] == name.split(".")), key=len)
+        if found:
+            with safe_open(str(where[found[0]]), framework="pt") as h:
+                return h.get_tensor(found[0]), tdir
+    raise EyasError(f"--target {target}: its safetensors files hold no input embedding under a known name "
+                    f"({', '.join('*' + n for n in EMBED_NAMES)}); pass the target the drafter was trained for")
 
 
 def needs_embedding(cfg: DrafterConfig, fmt: str) -> bool:
