@@ -314,6 +314,32 @@ def test_targets_with_other_names_train_and_convert(kind, other_target, eyas_cli
     assert run["intermediate_size"] == (256 if kind == "falcon" else 128)  # ffn_hidden_size = 4 x hidden
 
 
+def test_outputs_are_readable_by_other_users(eyas_cli, tiny_target, tmp_path):
+    """An engine often serves as another user (a container): what eyas writes gets the modes
+    the umask gives new files. safetensors writes 0600 and mkdtemp 0700 (they came out so)."""
+    import os
+    import stat
+
+    from eyas.formats import capture as fcap
+    from eyas.formats import vocab as fv
+
+    old = os.umask(0o022)
+    try:
+        d = make_drafter(tiny_target)
+        ck.save_checkpoint(tmp_path / "ck", d, {})
+        code, _, err = eyas_cli("export", tmp_path / "ck", "--to", "sglang", "--out", tmp_path / "sg")
+        assert code == 0, err
+        fv.save_vocab(tmp_path / "v.safetensors", fv.VocabMap(d.d2t, d.t2d))
+        (tmp_path / "cap").mkdir()
+        fcap.write_shard(tmp_path / "cap", 0, {"x": torch.zeros(2)}, {})
+    finally:
+        os.umask(old)
+    made = [tmp_path / "ck", tmp_path / "sg", tmp_path / "v.safetensors", *(tmp_path / "ck").iterdir(),
+            *(tmp_path / "sg").iterdir(), *(tmp_path / "cap").iterdir()]
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in made}
+    assert modes == {p.name: "0o755" if p.is_dir() else "0o644" for p in made}, modes
+
+
 def test_cli_refuses_flag_the_engine_ignores(eyas_cli, tiny_target, tmp_path):
     ck.save_checkpoint(tmp_path / "nbr", make_drafter(tiny_target, norm_before_residual=True), {})
     code, _, err = eyas_cli("export", tmp_path / "nbr", "--to", "sglang", "--out", tmp_path / "o")

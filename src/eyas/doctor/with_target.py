@@ -20,17 +20,24 @@ from eyas.doctor.static import CONVERT, _dims, cfg_get
 # sources and marked so; re-check them before relying on a "not supported" answer.
 ARCH_SUPPORT = {
     "sglang": {
-        "checked": "2026-11-29; sgl-project/sglang python/sglang/srt/models/llama.py@00239548f1cd "
-                   "(verified); others recalled",
+        "checked": "2026-12-01, stored copies of sgl-project/sglang python/sglang/srt/models/*.py (a model class "
+                   "with set_eagle3_layers_to_capture, or a subclass of one): llama.py@00239548 (Llama, Phi3, "
+                   "InternLM3), mistral.py@00b08c49, llama4.py@003cb210, qwen3.py@01b5f572, qwen3_moe.py@008af3a6, "
+                   "deepseek_v2.py@3e4a39ee (V2, V3, V3.2), glm4_moe.py (GlmMoeDsa subclasses DeepSeek-V2), gpt_oss.py@009c6808, minimax_m2.py@01b5f572, "
+                   "glm4_moe.py@005ffc65, kimi_k25.py@00a239e5; Qwen2 and Qwen2-MoE from code excerpts only",
         "archs": {"LlamaForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "MistralForCausalLM",
                   "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
                   "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
-                  "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM", "KimiK25ForConditionalGeneration"},
+                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM",
+                  "KimiK25ForConditionalGeneration"},
     },
     "vllm": {
-        "checked": "2026-11-29; vllm-project/vllm vllm/model_executor/models/llama.py@e06c9ba2a6ea "
-                   "(verified); others recalled",
-        "archs": {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "checked": "2026-12-01, stored copies of vllm-project/vllm (a class declaring SupportsEagle3, by "
+                   "registry name): llama.py@e06c9ba2 (Llama; Mistral and InternLM3 map to it), phi3 (a "
+                   "LlamaForCausalLM subclass), gpt_oss.py@a6b6cfaa; Qwen2, Qwen3, Qwen3-MoE, MiniMax-M2 from code "
+                   "excerpts; DeepSeek-V3 and Llama 4 recalled, not found in the (older) stored copies",
+        "archs": {"LlamaForCausalLM", "MistralForCausalLM", "InternLM3ForCausalLM", "Phi3ForCausalLM",
+                  "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                   "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM", "MiniMaxM2ForCausalLM",
                   "Llama4ForConditionalGeneration"},
     },

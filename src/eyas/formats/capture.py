@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
+from eyas.formats import checkpoint as ckpt_io
 
 FORMAT = "eyas.capture"
 VERSION = 1
@@ -68,6 +69,7 @@ def write_shard(root: Path, k: int, tensors: dict[str, torch.Tensor], meta: dict
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp), metadata=meta)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        ckpt_io.share(tmp)
     except BaseException:
         tmp.unlink(missing_ok=True)  # e.g. ENOSPC: leave no partial file behind
         raise
@@ -302,6 +304,7 @@ def speculators_write_sample(root: Path, index: int, token_ids: torch.Tensor, st
     final = d / f"hs_{index}.safetensors"
     tmp = d / f".{final.name}.tmp"
     save_file({"hidden_states": states.contiguous(), "token_ids": token_ids.long().contiguous()}, str(tmp))
+    ckpt_io.share(tmp)
     os.replace(tmp, final)
 
 

@@ -27,6 +27,18 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SHARD_INDEX = "model.safetensors.index.json"
 
 
+def share(path: Path) -> None:
+    """Give a file, or a directory and all under it, the modes the user's umask gives new files
+    (0644 / 0755 by default). safetensors writes 0600 files and mkdtemp makes 0700 directories,
+    so an engine serving as another user (a container) could not read what eyas wrote."""
+    mask = os.umask(0)
+    os.umask(mask)
+    path = Path(path)
+    for p in [path, *(path.rglob("*") if path.is_dir() and not path.is_symlink() else [])]:
+        if not p.is_symlink():
+            os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def read_tensors(path: Path, keys=None) -> dict[str, torch.Tensor]:
     """All tensors of a weights file (safetensors, or a tensor-only `.bin`/`.pt`), or only those
     of `keys` that it holds (a safetensors file then reads no other tensor)."""
@@ -145,6 +157,7 @@ def save_checkpoint(out: Path, drafter: Eagle3Drafter, meta: dict, dtype: torch.
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        share(tmp)
         old = out.with_name(f".{out.name}.old")
         if out.exists():
             shutil.rmtree(old, ignore_errors=True)

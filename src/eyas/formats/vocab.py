@@ -65,6 +65,7 @@ def save_vocab(path: Path, vm: VocabMap) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         save_file({"d2t": vm.d2t.long().contiguous(), "t2d": vm.t2d.bool().contiguous()}, str(tmp), metadata=meta)
+        ckpt_io.share(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # nothing stray beside --out if the write or the rename failed

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from eyas import __version__
 from eyas.errors import EyasError
+from eyas.formats import checkpoint as ckpt_io
 
 
 def emit(args, summary: dict, human: str) -> None:
@@ -41,6 +42,7 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp.", dir=out.parent))
     try:
         yield tmp
+        ckpt_io.share(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

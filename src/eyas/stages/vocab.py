@@ -13,6 +13,7 @@ from eyas import targets
 from eyas.core import vocab as core
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
+from eyas.formats import checkpoint as ckpt_io
 from eyas.formats import vocab as fvocab
 from eyas.stages.common import add_json_flag, emit, refuse_out_over_inputs
 
@@ -190,6 +191,7 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     fvocab.write_remapped_checkpoint(drafter, tmp, {"d2t": new.d2t, "t2d": new.t2d,
                                                     "lm_head.weight": weight.to(w.dtype)})
     _note_vocab(tmp, new)
+    ckpt_io.share(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return {"out": str(out), "rows": new.draft_size, "carried": carried, "new_rows": new.draft_size - carried,
