@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -185,6 +186,17 @@ def test_cli_build_default_size_and_errors(eyas_cli, tmp_path, prepared, tiny_ta
     _bad_file(bad, "absolute")
     code, _, err = eyas_cli("vocab", "compare", bad, tmp_path / "d.safetensors")
     assert code == 2 and "absolute" in err and str(bad) in err
+    # --force replaces an earlier vocabulary (d), never another file: not a data file of --data
+    # (it replaced train.jsonl before) nor a symbolic link
+    code, _, err = eyas_cli("vocab", "build", "--data", prepared, "--out", tmp_path / "d.safetensors", "--force")
+    assert code == 0, err
+    data_file = shutil.copytree(prepared, tmp_path / "data") / "train.jsonl"
+    before = data_file.read_bytes()
+    code, _, err = eyas_cli("vocab", "build", "--data", data_file.parent, "--out", data_file, "--force")
+    assert code == 2 and "not a vocabulary file" in err and data_file.read_bytes() == before
+    (tmp_path / "link.safetensors").symlink_to(tmp_path / "d.safetensors")
+    code, _, err = eyas_cli("vocab", "build", "--data", prepared, "--out", tmp_path / "link.safetensors", "--force")
+    assert code == 2 and "symbolic link" in err and (tmp_path / "link.safetensors").is_symlink()
 
 
 def test_cli_remap_carries_rows(eyas_cli, tmp_path, prepared, tiny_target):

@@ -15,7 +15,7 @@ from eyas.errors import EyasError
 from eyas.formats import capture as fcap
 from eyas.formats import checkpoint as ckpt_io
 from eyas.formats import vocab as fvocab
-from eyas.stages.common import add_json_flag, emit, refuse_out_over_inputs
+from eyas.stages.common import add_json_flag, emit, refuse_out_over_inputs, refuse_symlink_out
 
 DEFAULT_SIZE = 32000
 
@@ -88,9 +88,17 @@ def build(data: Path | list[Path], size: int | None, out: Path, target: str | No
     """Build and write the draft vocabulary of the train split of `data` (one or more dirs)."""
     if out.is_dir():
         raise EyasError(f"--out {out} is a directory; a vocabulary is one file: pass a file path such as {out}/vocab.safetensors")
+    dirs = [Path(d) for d in (data if isinstance(data, (list, tuple)) else [data])]
+    refuse_out_over_inputs(out, {"--data": dirs})
+    refuse_symlink_out(out)
     if out.exists() and not force:
         raise EyasError(f"--out {out} exists; pass --force to overwrite it")
-    dirs = [Path(d) for d in (data if isinstance(data, (list, tuple)) else [data])]
+    if out.exists():
+        try:  # --force replaces an earlier vocabulary, never another file (a prepared data file, say)
+            fvocab.load_vocab(out)
+        except EyasError:
+            raise EyasError(f"--out {out} exists and is not a vocabulary file; --force only replaces those: "
+                            "choose another --out") from None
     prepared = [(d, *fcap.read_prepared(d)) for d in dirs]
     paths = {_target_for(d, manifest, target) for d, manifest, _ in prepared}
     if len(paths) > 1:
