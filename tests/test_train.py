@@ -342,14 +342,19 @@ def test_drafter_flags_train_and_export_checks(pipe, tmp_path, eyas_cli):
     (("--aux-gain", "max"), "invalid choice: 'max'"),
     (("--align-topk", "-1"), "--align-topk -1"),
     (("--vocab", "/nonexistent/vocab.safetensors"), "does not exist"),
+    (("--max-len", "4"), "no training sample has a supervised token within the first --max-len 4"),
+    (("--max-len", "4", "--online", "", "--data", "DATA"), "raise --max-len"),
 ])
 def test_bad_arguments_exit_2(pipe, tmp_path, cli, bad, expect):
     argv = {"--target": str(pipe["target"]), "--capture": str(pipe["cap"]), "--vocab": str(pipe["vocab"]),
             "--out": str(tmp_path / "r")}
     argv.update(dict(zip(bad[::2], bad[1::2])))
-    code, out, err = cli("train", *[x for kv in argv.items() for x in kv])
+    if "--online" in argv:  # a flag without a value; features from the prepared data instead
+        argv.pop("--capture"), argv.pop("--online")
+        argv["--data"] = str(pipe["data"])
+    code, out, err = cli("train", *[x for kv in argv.items() for x in kv], *(["--online"] if "--online" in bad else []))
     assert code == 2 and expect in err, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and not (tmp_path / "r").exists()
 
 
 def test_wrong_capture_for_target_exit_2(pipe, tiny_targets, tmp_path, eyas_cli):

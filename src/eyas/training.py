@@ -143,6 +143,9 @@ class CaptureSplit:
     def lengths(self) -> list[int]:
         return [int(r.samples[j]["length"]) for r, j in self.idx]
 
+    def loss_masks(self):
+        return (r.loss_mask(j) for r, j in self.idx)
+
     def key(self, i: int) -> str:
         r, j = self.idx[i]
         return str(r.samples[j].get("id", j))

@@ -245,6 +245,11 @@ class CaptureReader:
         out["loss_mask"] = out["loss_mask"].long()
         return out
 
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """Sample i's loss mask alone (a few bytes per token; no features read)."""
+        s = self.samples[i]
+        return self._handle(s["shard"]).get_slice("loss_mask")[s["offset"]:s["offset"] + s["length"]]
+
     def _check(self, i: int, t: dict, path: Path) -> None:
         T, H, n = self.samples[i]["length"], self.hidden_size, len(self.layer_ids)
         want = {"aux": (T, n * H), "last": (T, H), "input_ids": (T,), "loss_mask": (T,)}

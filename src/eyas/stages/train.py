@@ -138,6 +138,15 @@ def _target_dir(spec: str) -> Path:
     return targets.resolve(spec)
 
 
+def _some_supervised(masks, max_len: int, what: str) -> None:
+    """Exit 2 unless some training sample keeps a supervised token within --max-len (a token
+    after the first: the first has no features before it). Else training would run, learn
+    nothing and report a loss of 0."""
+    if not any(bool(torch.as_tensor(m)[1:max_len].any()) for m in masks):
+        raise EyasError(f"{what}: no training sample has a supervised token within the first --max-len {max_len} "
+                        "tokens (the answers start later); raise --max-len")
+
+
 def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], str]:
     """(feature source, aux layer ids, description) after checking them against the target."""
     from eyas import training
@@ -154,6 +163,7 @@ def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], 
                             "for this target (eyas data prepare --target ...)")
         layers = targets.parse_layers(args.layers, L)
         splits = {s: read_samples(args.data, s) for s in ("train", "eval")}
+        _some_supervised((s.loss_mask for s in splits["train"]), args.max_len, f"--data {args.data}")
         return training.OnlineSource(splits, model, layers, args.max_len), layers, str(args.data)
     from eyas.formats.capture import CaptureReader
 
@@ -174,6 +184,7 @@ def _features(args, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], 
                             f"{readers[0].layer_ids}; capture every --capture directory with the same --layers")
         readers.append(reader)
     splits = {s: training.CaptureSplit(readers, s) for s in ("train", "eval")}
+    _some_supervised(splits["train"].loss_masks(), args.max_len, f"--capture {' '.join(map(str, args.capture))}")
     return training.TensorSource(splits, args.max_len), list(readers[0].layer_ids), ",".join(map(str, args.capture))
 
 
