@@ -206,11 +206,11 @@ def test_bad_inputs_exit_2(eyas_cli, tmp_path, prepared, tiny_target, monkeypatc
 
 def test_speculators_layout_and_imports(eyas_cli, tmp_path, prepared, tiny_target):
     out = tmp_path / "cap"
-    _capture(eyas_cli, tiny_target, prepared, out, "--format", "speculators")
+    _capture(eyas_cli, tiny_target, prepared, out, "--format", "speculators", "--layers", "1,2,3")
     r = fcap.CaptureReader(out)
     spec = out / "speculators"
     info = json.loads((spec / "eyas_speculators.json").read_text())
-    assert int(14 * info["train_data_ratio"]) == 10
+    assert int(14 * info["train_data_ratio"]) == 10 and info["layer_ids"] == [1, 2, 3]
     from speculators.train.data import ArrowDataset
 
     ds = ArrowDataset(max_len=512, datapath=spec, on_missing="raise", train_ratio=info["train_data_ratio"],
@@ -224,11 +224,21 @@ def test_speculators_layout_and_imports(eyas_cli, tmp_path, prepared, tiny_targe
         assert torch.equal(got["loss_mask"], want["loss_mask"])
         with torch.no_grad():  # speculators stores the pre-norm last state and applies the norm itself
             torch.testing.assert_close(norm(got["verifier_last_hidden_states"]), want["last"])
+    # layers and split come back from what the export recorded (the layers were taken as the
+    # default [2, 2, 1] of this 4-layer target, silently, and every sample marked train)
     code, _, err = eyas_cli("capture", "import", spec, "--from", "speculators", "--target", tiny_target,
-                            "--out", tmp_path / "imp", "--train-ratio", info["train_data_ratio"])
+                            "--out", tmp_path / "imp")
     assert code == 0, err
     back = fcap.CaptureReader(tmp_path / "imp")
     assert len(back) == 14 and back.split_indices("eval") == r.split_indices("eval")
+    assert back.layer_ids == r.layer_ids == [1, 2, 3]
+    code, _, err = eyas_cli("capture", "import", spec, "--from", "speculators", "--target", tiny_target,
+                            "--layers", "0,1,2", "--out", tmp_path / "imp4")
+    assert code == 2 and "records that these features hold layers [1, 2, 3]" in err
+    narrow = tiny.build_target(tmp_path / "narrow", hidden=32, layers=4, tokenizer=tiny.build_tokenizer())
+    code, _, err = eyas_cli("capture", "import", spec, "--from", "speculators", "--target", narrow,
+                            "--out", tmp_path / "imp5")
+    assert code == 2 and "hidden size" in err and "Traceback" not in err and not (tmp_path / "imp5").exists()
     for i in (0, 13):
         assert torch.equal(back[i]["aux"], r[i]["aux"]) and torch.equal(back[i]["loss_mask"], r[i]["loss_mask"])
         torch.testing.assert_close(back[i]["last"], r[i]["last"])

@@ -313,10 +313,16 @@ def speculators_write_sample(root: Path, index: int, token_ids: torch.Tensor, st
     os.replace(tmp, final)
 
 
-def speculators_write_dataset(root: Path, input_ids: list[list[int]], loss_masks: list[list[int]], n_train: int) -> dict:
+SPECULATORS_INFO = "eyas_speculators.json"
+
+
+def speculators_write_dataset(root: Path, input_ids: list[list[int]], loss_masks: list[list[int]], n_train: int,
+                              layer_ids: list[int]) -> dict:
     """The Arrow dataset (`datasets.save_to_disk`) speculators' ArrowDataset reads:
     `input_ids`, `loss_mask`, `seq_len`, torch format; rows in hs_{i} order, train first.
-    Returns the `--train-data-ratio` that makes speculators' split equal eyas's."""
+    Beside it SPECULATORS_INFO: the `--train-data-ratio` that makes speculators' split equal
+    eyas's, and the aux layer ids (HF index), which speculators' files do not record and
+    `capture import` reads back. Returns that info."""
     from datasets import Dataset
 
     ds = Dataset.from_dict({"input_ids": input_ids, "loss_mask": loss_masks,
@@ -326,7 +332,7 @@ def speculators_write_dataset(root: Path, input_ids: list[list[int]], loss_masks
     n = len(input_ids)
     # int(n * ratio) == n_train exactly; speculators needs a ratio strictly inside (0, 1)
     ratio = (n_train + 0.5) / n if 0 < n_train < n else None
-    info = {"train_data_ratio": ratio, "train_samples": n_train, "samples": n,
+    info = {"train_data_ratio": ratio, "train_samples": n_train, "samples": n, "layer_ids": list(layer_ids),
             "last_hidden_state": "pre_final_norm (output of the last decoder layer)"}
-    (root / "eyas_speculators.json").write_text(json.dumps(info, indent=1) + "\n")
+    (root / SPECULATORS_INFO).write_text(json.dumps(info, indent=1) + "\n")
     return info

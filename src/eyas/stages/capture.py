@@ -92,8 +92,11 @@ def register(sub) -> None:
     i.add_argument("--from", dest="source_format", required=True, choices=("speculators", "specforge"))
     i.add_argument("--target", required=True, help="the target the features came from")
     i.add_argument("--out", type=Path, required=True, help="output directory")
-    i.add_argument("--layers", default="auto", help="aux layers the features hold (HF index); auto = [2, L//2, L-3]")
-    i.add_argument("--train-ratio", type=float, default=1.0, help="first share of samples marked train, rest eval")
+    i.add_argument("--layers", default="auto", help="aux layers the features hold (HF index); auto = those an "
+                   "eyas export recorded (eyas_speculators.json), else [2, L//2, L-3]")
+    i.add_argument("--train-ratio", type=float, default=None,
+                   help="first share of samples marked train, rest eval (default: the split an eyas export "
+                   "recorded, else 1.0: no eval split)")
     i.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB")
     i.add_argument("--force", action="store_true", help="replace a non-empty --out")
     add_json_flag(i)
@@ -326,7 +329,7 @@ def finish(out: Path, manifest: dict, records: list, spec_dir: Path | None, prov
     if spec_dir is not None and manifest["part"] is None:
         n_train = sum(1 for r in records if r.split == "train")
         fcap.speculators_write_dataset(spec_dir, [r.input_ids for r in records],
-                                       [r.loss_mask for r in records], n_train)
+                                       [r.loss_mask for r in records], n_train, manifest["layer_ids"])
     fcap.write_json(out / "manifest.json", manifest)
     (out / PLAN_FILE).unlink(missing_ok=True)
 
@@ -527,6 +530,10 @@ def _speculators_items(src: Path, norm: torch.nn.Module) -> list[Callable[[], di
         if t["token_ids"].tolist() != list(row["input_ids"]):
             raise EyasError(f"speculators file {f}: token_ids differ from the dataset row {i}; regenerate it")
         hs = t["hidden_states"]  # (T, n_aux + 1, H): last is pre-norm
+        if hs.dim() != 3 or hs.shape[-1] != norm.weight.shape[0]:
+            raise EyasError(f"speculators file {f}: hidden_states {tuple(hs.shape)} are not [T, layers, "
+                            f"{norm.weight.shape[0]}] (the --target's hidden size); pass the target the features "
+                            "came from")
         with torch.no_grad():
             last = norm(hs[:, -1].to(norm.weight.dtype)).to(hs.dtype)
         return {"input_ids": t["token_ids"], "loss_mask": torch.tensor(row["loss_mask"]),
@@ -535,18 +542,36 @@ def _speculators_items(src: Path, norm: torch.nn.Module) -> list[Callable[[], di
     return [lambda i=i: item(i) for i in range(len(ds))]
 
 
+def _recorded(src: Path) -> dict:
+    """What an eyas `--format speculators` export recorded beside its features (or {})."""
+    f = src / fcap.SPECULATORS_INFO
+    if not f.is_file():
+        return {}
+    try:
+        info = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{f} is not valid JSON ({e}); restore it or delete it and pass --layers and --train-ratio") from e
+    return info if isinstance(info, dict) else {}
+
+
 def import_features(kind: str, src: Path, target: str, out: Path, layers: str = "auto",
-                    train_ratio: float = 1.0, shard_mb: float = 512, force: bool = False) -> dict:
+                    train_ratio: float | None = None, shard_mb: float = 512, force: bool = False) -> dict:
     """Convert speculators/SpecForge features into an eyas capture at `out`."""
     if not src.is_dir():
         raise EyasError(f"{kind} features {src}: no such directory")
     refuse_out_over_inputs(out, {"source": src})
-    if not 0.0 < train_ratio <= 1.0:
+    if train_ratio is not None and not 0.0 < train_ratio <= 1.0:
         raise EyasError(f"--train-ratio {train_ratio} must lie in (0, 1]")
     check_shard_mb(shard_mb)
     path = targets.resolve(target)
     tcfg = targets.load_config(path)
     layer_ids = targets.parse_layers(layers, tcfg.num_hidden_layers)
+    rec = _recorded(src) if kind == "speculators" else {}
+    if rec.get("layer_ids") is not None:
+        if layers != "auto" and layer_ids != rec["layer_ids"]:
+            raise EyasError(f"--layers {layers}: {src / fcap.SPECULATORS_INFO} records that these features hold "
+                            f"layers {rec['layer_ids']}; drop --layers or pass those")
+        layer_ids = [int(i) for i in rec["layer_ids"]]
     if kind == "specforge":
         files = _specforge_files(src)
         items = [lambda f=f: _load_specforge(f) for f in files]
@@ -564,7 +589,15 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     dtype = first["aux"].dtype
     if dtype not in fcap.DTYPE_NAMES:
         raise EyasError(f"{kind} features {src}: dtype {dtype} is not supported (fp32, bf16, fp16)")
-    rows = _collect(items, dtype, train_ratio)
+    if train_ratio is not None:
+        n_train = int(len(items) * train_ratio)
+    elif rec.get("train_samples") is not None:
+        n_train = min(int(rec["train_samples"]), len(items))  # the split the export recorded
+    else:
+        n_train = len(items)
+        log.warning("capture import: every sample is marked train (no eval split): training will evaluate on "
+                    "training data; pass --train-ratio 0.95 to hold some out")
+    rows = _collect(items, dtype, n_train)
     records = [fcap.Record(i, split, f"{kind}-{i}", r["input_ids"].tolist(), r["loss_mask"].tolist())
                for i, (split, r) in enumerate(rows)]
     common = {"target": str(path), "target_fingerprint": targets.fingerprint(path), "data": str(src.resolve()),
@@ -582,8 +615,7 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     return {"out": str(out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(shards)}
 
 
-def _collect(items: list[Callable[[], dict]], dtype: torch.dtype, train_ratio: float) -> list[tuple[str, dict]]:
-    n_train = int(len(items) * train_ratio)
+def _collect(items: list[Callable[[], dict]], dtype: torch.dtype, n_train: int) -> list[tuple[str, dict]]:
     rows = []
     for i, load in enumerate(items):
         r = load()
