@@ -340,6 +340,16 @@ def test_outputs_are_readable_by_other_users(eyas_cli, tiny_target, tmp_path):
     assert modes == {p.name: "0o755" if p.is_dir() else "0o644" for p in made}, modes
 
 
+def test_a_run_directory_where_a_checkpoint_belongs_names_its_checkpoints(eyas_cli, eyas_ckpt, tiny_target, tmp_path):
+    run = tmp_path / "run"
+    for name in ("best", "final"):
+        shutil.copytree(eyas_ckpt, run / name)
+    for argv in (("convert", run, "--to", "sglang", "--out", tmp_path / "x"), ("doctor", run),
+                 ("vocab", "compare", run, eyas_ckpt)):
+        code, _, err = eyas_cli(*argv)
+        assert code == 2 and f"{run} is a training run: pass {run / 'best'} or {run / 'final'}" in err, (argv, err)
+
+
 def test_cli_refuses_flag_the_engine_ignores(eyas_cli, tiny_target, tmp_path):
     ck.save_checkpoint(tmp_path / "nbr", make_drafter(tiny_target, norm_before_residual=True), {})
     code, _, err = eyas_cli("export", tmp_path / "nbr", "--to", "sglang", "--out", tmp_path / "o")

@@ -94,7 +94,13 @@ def weight_files(ckpt: Path, names: tuple[str, ...] = WEIGHT_FILES) -> list[Path
     if shards:
         return shards
     raise EyasError(f"{ckpt}: no {' or '.join(names)} and no sharded model-*-of-*.safetensors; "
-                    "pass a drafter checkpoint directory")
+                    f"pass a drafter checkpoint directory{run_hint(ckpt)}")
+
+
+def run_hint(d: Path) -> str:
+    """For an `eyas train` run directory given where a checkpoint belongs: which to pass."""
+    found = [str(Path(d) / n) for n in ("best", "final") if (Path(d) / n / "config.json").is_file()]
+    return f" ({d} is a training run: pass {' or '.join(found)})" if found else ""
 
 
 def weights_label(files: list[Path]) -> Path:
@@ -125,7 +131,7 @@ def read_json(path: Path) -> dict:
     try:
         obj = json.loads(Path(path).read_text())
     except FileNotFoundError as e:
-        raise EyasError(f"{path}: missing; pass a complete checkpoint directory") from e
+        raise EyasError(f"{path}: missing; pass a complete checkpoint directory{run_hint(Path(path).parent)}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path}: not valid JSON ({e}); the file is corrupt, re-export it") from e
     if not isinstance(obj, dict):

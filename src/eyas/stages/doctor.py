@@ -32,8 +32,9 @@ def register(sub) -> None:
                    "prompts for the dynamic checks)")
     p.add_argument("--against", type=Path, default=None, help="vocab file or another checkpoint to compare "
                    "the draft vocabulary with")
-    p.add_argument("--prompts", type=Path, action="append", default=None,
-                   help="prompt file(s) for the dynamic checks (needs --target); repeatable")
+    p.add_argument("--prompts", type=Path, nargs="+", action="extend", default=None, metavar="FILE",
+                   help="prompt file(s) for the dynamic checks (needs --target), as for bench: several after "
+                   "one flag, or the flag repeated")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts used by the dynamic checks")
     p.add_argument("--new-tokens", type=int, default=32, help="target tokens generated per prompt")
     p.add_argument("--steps", type=int, default=5, help="draft steps measured (chain depth)")
