@@ -88,7 +88,14 @@ def test_prompt_strings_txt_and_gz(tmp_path):
     assert [c.turns[0]["content"] for c in convs[:4]] == ["Tell a joke", "Code it", "first prompt", "second prompt"]
     assert convs[1].has_answer and convs[0].category == "chat"
     txt = [c for c in convs if c.source == "book"]
-    assert [c.turns[0]["content"] for c in txt] == ["Para one.\n\nPara two.", "x" * 2500]
+    assert [c.turns[0]["content"] for c in txt] == ["Para one.\n\nPara two.", "x" * 2000, "x" * 500]
+    # one prompt per line and no blank line (9,900 characters): cut at line breaks, never over 2,000
+    lines = [f"Question {i}: " + "why " * 20 + "?" for i in range(100)]
+    words = [f"w{i}" for i in range(900)]
+    t.write_text("\n".join(lines) + "\n\n" + " ".join(words))
+    chunks = [c.turns[0]["content"] for c in load_prompt_files([t])]
+    assert max(map(len, chunks)) <= 2000 and len(chunks) == 8
+    assert "\n".join(chunks[:5]).split("\n") == lines and " ".join(chunks[5:]).split() == words
 
 
 def test_malformed_lines_counted_and_repaired(tmp_path):

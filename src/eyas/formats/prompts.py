@@ -286,14 +286,29 @@ def _table_records(path: Path) -> list[dict]:
 
 
 def _txt_chunks(text: str) -> list[str]:
-    """Paragraphs (blank-line separated) packed into chunks of up to TXT_CHUNK_CHARS."""
+    """Paragraphs (blank-line separated) packed into chunks of up to TXT_CHUNK_CHARS; a longer
+    paragraph is cut at line breaks, a longer line at spaces (a longer word anywhere)."""
     paras = [p.strip() for p in re.split(r"\n\s*\n", text.replace("\r\n", "\n")) if p.strip()]
+    return _pack([q for p in paras for q in _fit(p, ("\n", " "))], "\n\n")
+
+
+def _fit(text: str, seps: tuple[str, ...]) -> list[str]:
+    """`text` in pieces of up to TXT_CHUNK_CHARS, cut at the first of `seps` that suffices."""
+    if len(text) <= TXT_CHUNK_CHARS:
+        return [text]
+    if not seps:
+        return [text[i:i + TXT_CHUNK_CHARS] for i in range(0, len(text), TXT_CHUNK_CHARS)]
+    return _pack([q for part in text.split(seps[0]) if part for q in _fit(part, seps[1:])], seps[0])
+
+
+def _pack(pieces: list[str], sep: str) -> list[str]:
+    """Consecutive pieces joined by `sep` into chunks of up to TXT_CHUNK_CHARS."""
     chunks, cur = [], ""
-    for p in paras:
-        if cur and len(cur) + 2 + len(p) > TXT_CHUNK_CHARS:
+    for p in pieces:
+        if cur and len(cur) + len(sep) + len(p) > TXT_CHUNK_CHARS:
             chunks.append(cur)
             cur = ""
-        cur = f"{cur}\n\n{p}" if cur else p
+        cur = f"{cur}{sep}{p}" if cur else p
     if cur:
         chunks.append(cur)
     return chunks
