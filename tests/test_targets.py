@@ -194,3 +194,14 @@ def test_cuda_devices_keep_sdpa_off_cudnn(monkeypatch):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_aux_layer_choices_that_cannot_serve_are_named(caplog):
+    """The default [2, L//2, L-3] outside a shallow target names --layers as the fix; other
+    than three ids warns that SGLang and vLLM cannot load the drafter (fc is built for 3)."""
+    assert targets.parse_layers("auto", 32) == [2, 16, 29]
+    with pytest.raises(EyasError, match=r"are \[2, 1, -1\] for this 2-layer target.*pass --layers"):
+        targets.parse_layers("auto", 2)
+    with caplog.at_level("WARNING"):
+        assert targets.parse_layers("1,2", 4) == [1, 2]
+    assert "exports to the speculators layout only" in caplog.text

@@ -299,9 +299,14 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
-    """`auto` or `i,j,k` (HF hidden_states indices, 0..L) -> validated list."""
+    """`auto` or `i,j,k` (HF hidden_states indices, 0..L) -> validated list. Not three ids:
+    a warning, since SGLang and vLLM build `fc` for exactly three aux states."""
     if spec == "auto":
-        return default_aux_layers(num_layers)
+        ids = default_aux_layers(num_layers)
+        if not all(0 <= i <= num_layers for i in ids):
+            raise EyasError(f"the default aux layers [2, L//2, L-3] are {ids} for this {num_layers}-layer target, "
+                            f"outside 0..{num_layers}; pass --layers i,j,k")
+        return ids
     try:
         ids = [int(x) for x in spec.split(",")]
     except ValueError as e:
@@ -309,6 +314,9 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad or not ids:
         raise EyasError(f"--layers {spec!r}: ids must lie in 0..{num_layers} (HF hidden_states index); got {bad or ids}")
+    if len(ids) != 3:
+        log.warning("--layers %s: %d aux layers; SGLang and vLLM build the drafter's fc for exactly 3, so a drafter "
+                    "trained on these exports to the speculators layout only", spec, len(ids))
     return ids
 
 
