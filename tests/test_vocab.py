@@ -238,6 +238,13 @@ def test_cli_remap_bad_inputs(eyas_cli, tmp_path, tiny_target):
     code, _, err = eyas_cli("vocab", "remap", "--drafter", tmp_path / "none", "--to", tmp_path / "n.safetensors",
                             "--target", tiny_target, "--out", tmp_path / "o")
     assert code == 2 and "not a directory" in err
+    # a vocabulary of the right size built on another tokenizer's data (train refuses it too)
+    ok = _fake_ckpt(tmp_path / "ok", torch.arange(10), V, 16)
+    fvocab.save_vocab(tmp_path / "tok.safetensors", fvocab.VocabMap(core.d2t_from_ids(ids), core.t2d_from_ids(ids, V),
+                                                                    {"tokenizer_fingerprint": "0123456789abcdef"}))
+    code, _, err = eyas_cli("vocab", "remap", "--drafter", ok, "--to", tmp_path / "tok.safetensors",
+                            "--target", tiny_target, "--out", tmp_path / "o")
+    assert code == 2 and "another tokenizer" in err and not (tmp_path / "o").exists()
 
 
 def test_cli_build_from_several_data_dirs_adds_counts(eyas_cli, tmp_path, prepared):

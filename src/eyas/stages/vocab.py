@@ -163,8 +163,7 @@ def run_compare(args) -> int:
 # ---------------------------------------------------------------- remap
 
 
-def _target_head(path: Path) -> torch.Tensor:
-    model, _ = targets.load(path)
+def _target_head(path: Path, model) -> torch.Tensor:
     head = model.get_output_embeddings()
     if head is None:
         raise EyasError(f"target {path} has no output embeddings (lm_head); cannot seed new rows")
@@ -186,7 +185,12 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     if other:
         raise EyasError(f"{other}; new rows would come from another target's lm_head: pass the drafter's own --target")
     new = fvocab.load_vocab(to, target_size=V)
-    head = _target_head(path)  # (V, H_target)
+    model, tok = targets.load(path)
+    recorded = new.meta.get("tokenizer_fingerprint")
+    if recorded and recorded != targets.tokenizer_fingerprint(tok):  # same size is not same tokens
+        raise EyasError(f"--to {to} was built from data tokenized by another tokenizer than target {path}'s; "
+                        "build the vocabulary on data prepared for this target (eyas vocab build)")
+    head = _target_head(path, model)  # (V, H_target)
     w = old.get("lm_head.weight")
     headless = w is None
     if headless:  # it scores with the verifier's head (speculators): its rows are the target's own
