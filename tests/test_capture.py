@@ -268,6 +268,7 @@ def test_validate_command(eyas_cli, tmp_path, prepared, tiny_target, tiny_tokeni
     other = make_prepared(tmp_path / "other", tiny_tokenizer, tiny_target, 10, 4, seed=5)
     code, _, err = eyas_cli("capture", "validate", out, "--data", other)
     assert code == 2 and "does not match the prepared data" in err
+    assert f"made from --data {Path(prepared).resolve()}" in err  # names the directory it was made from
     # A NaN written into a shard whose manifest hash was updated to match: the values are checked too.
     from safetensors.torch import load_file, save_file
 

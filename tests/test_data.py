@@ -371,6 +371,7 @@ BAD = [
     (["--max-len", "abc"], "--max-len"),
     (["--self-prompts", "5"], "--self-prompts only applies to --regenerate"),
     (["--regenerate", "--self-prompts", "-1"], "--self-prompts"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see `eyas data prepare --help`)"),
 ]
 
 

@@ -290,8 +290,13 @@ class CaptureReader:
         s = self.samples[i]
         r = records.get((s["split"], s["id"]))
         if r is None or r.input_ids != t["input_ids"].tolist() or r.loss_mask != t["loss_mask"].tolist():
+            recorded = self.manifest.get("data")
+            if recorded and Path(recorded).resolve() != Path(data_dir).resolve():
+                fix = f"this capture was made from --data {recorded}: validate against that, or recapture"
+            else:
+                fix = "the data changed after capture: recapture it"
             raise EyasError(f"capture {self.root}: sample {s['id']} ({s['split']}) does not match the prepared "
-                            f"data in {data_dir}; the data changed after capture: recapture it")
+                            f"data in {data_dir}; {fix}")
 
 
 # ---------------------------------------------------------------- speculators layout

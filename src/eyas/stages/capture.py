@@ -66,8 +66,8 @@ def register(sub) -> None:
     p.add_argument("--layers", default="auto", help="aux layers: auto = [2, L//2, L-3], or i,j,k (HF index)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="run and store dtype; auto (default) = bf16 on CUDA and AMX / AVX512-BF16 CPUs, else fp32")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward batch")
-    p.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward batch (default 4096)")
+    p.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB (default 512)")
     p.add_argument("--shard-index", type=int, default=0, help="this part's index (0-based)")
     p.add_argument("--num-shards", type=int, default=1, help="split the work into this many parts")
     p.add_argument("--force", action="store_true", help="ignore the free-space check; replace a foreign --out")
@@ -97,7 +97,7 @@ def register(sub) -> None:
     i.add_argument("--train-ratio", type=float, default=None,
                    help="first share of samples marked train, rest eval (default: the split an eyas export "
                    "recorded, else 1.0: no eval split)")
-    i.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB")
+    i.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB (default 512)")
     i.add_argument("--force", action="store_true", help="replace a non-empty --out")
     add_json_flag(i)
     i.set_defaults(func=run_import)
@@ -275,18 +275,25 @@ def _shard_tensors(rows: list[dict], records: list) -> dict[str, torch.Tensor]:
 
 
 def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[int],
-                 produce: Callable[[list[int]], list[dict]], spec_dir: Path | None) -> dict:
-    """Produce and write each of `mine` (shard numbers) unless already finished."""
+                 produce: Callable[[list[int], Callable[[int], object]], list[dict]],
+                 spec_dir: Path | None) -> dict:
+    """Produce and write each of `mine` (shard numbers) unless already finished; the
+    progress bar counts tokens (produce reports each batch through its second argument)."""
     from tqdm import tqdm
 
     done = skipped = 0
-    for k in tqdm(mine, desc="capture shards", unit="shard", disable=None, file=sys.stderr):
+    total = sum(len(records[i].input_ids) for k in mine for i in shards[k])
+    bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
+    for k in mine:
         idx = shards[k]
         tokens = sum(len(records[i].input_ids) for i in idx)
         if (out / fcap.shard_name(k)).is_file() and fcap.shard_rows(out / fcap.shard_name(k)) == tokens:
             skipped += 1
+            bar.update(tokens)
             continue
-        rows = produce(idx)
+        before = bar.n
+        rows = produce(idx, bar.update)
+        bar.update(tokens - (bar.n - before))  # a producer that does not report per batch
         if spec_dir is not None:  # before the shard: a finished shard implies its hs_ files
             for i, r in zip(idx, rows):
                 fcap.speculators_write_sample(spec_dir, i, torch.tensor(records[i].input_ids),
@@ -296,6 +303,7 @@ def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[i
                                     "samples": len(idx)}, sort_keys=True)}
         fcap.write_shard(out, k, _shard_tensors(rows, [records[i] for i in idx]), meta)
         done += 1
+    bar.close()
     return {"captured_shards": done, "skipped_shards": skipped}
 
 
@@ -383,10 +391,11 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
         check_disk(cfg.out, need, cfg.force)
         prepare_out(cfg.out, pid, cfg.force)
 
-        def produce(idx: list[int]) -> list[dict]:
+        def produce(idx: list[int], tick: Callable[[int], object]) -> list[dict]:
             got: dict[int, dict] = {}
             for batch in plan_batches(idx, lengths, cfg.batch_tokens):
                 got.update(zip(batch, fwd([records[i].input_ids for i in batch])))
+                tick(sum(lengths[i] for i in batch))
             return [got[i] for i in idx]
 
         counts = write_shards(cfg.out, records, shards, mine, produce, spec_dir)
@@ -609,7 +618,7 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     pid = plan_id(common, shards)
     check_disk(out, sum(len(r.input_ids) for r in records) * bpt, force)
     prepare_out(out, pid, force)
-    write_shards(out, records, shards, list(range(len(shards))), lambda idx: [rows[i][1] for i in idx], None)
+    write_shards(out, records, shards, list(range(len(shards))), lambda idx, tick: [rows[i][1] for i in idx], None)
     m = build_manifest(common, pid, records, shards, list(range(len(shards))), out, None)
     finish(out, m, records, None, {"imported_from": {"format": kind, "dir": str(src)}, **provenance()})
     return {"out": str(out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(shards)}

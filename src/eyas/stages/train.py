@@ -44,7 +44,7 @@ Multi-process: torchrun --nproc-per-node 4 -m eyas train ...   (one node)
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train an EAGLE-3 drafter (training-time test)",
-                       description=__doc__.splitlines()[0], epilog=HELP,
+                       description=__doc__.split("\n\n")[0], epilog=HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, help="built-in name or local HF directory")
     src = p.add_mutually_exclusive_group(required=True)
