@@ -47,9 +47,10 @@ input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each option
 
 Records without an answer are dropped unless --regenerate (then the target writes every
 assistant turn, turn by turn). Duplicates (lowercased letters+digits of the user turns) are
-dropped across files; malformed JSONL lines are skipped and counted. Category per record:
-the record's category/subcategory when it names a known one, else from the file name
-(math, code, summarization, qa), else chat. The loss mask covers assistant content and its
+dropped across files; malformed JSONL lines are repaired when harmless (raw control
+characters, invalid \\ escapes, one record split over two lines) or skipped, and counted.
+Category per record: the record's category/subcategory when it names a known one, else
+from the file name (math, code, summarization, qa), else chat. The loss mask covers assistant content and its
 end-of-turn token only. --regenerate work is kept in OUT.partial/ and reused by a rerun of
 the same command after an interruption.
 """
