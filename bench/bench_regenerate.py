@@ -40,10 +40,10 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, stops: list[int],
     return out
 
 
-def eyas_generate(model, prompts, max_new, stops, pad, batch):
+def eyas_generate(model, prompts, max_new, stops, batch):
     out = []
     for b in range(0, len(prompts), batch):
-        out += decode_batch(model, prompts[b:b + batch], max_new, stops, 0.0, pad)
+        out += decode_batch(model, prompts[b:b + batch], max_new, stops, 0.0)
     return out
 
 
@@ -66,7 +66,7 @@ def main() -> None:
     prompts = [tok(tok.apply_chat_template([c.turns[0]], tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for c in convs]
     arms = {"hf": lambda: hf_generate(model, prompts, args.max_new_tokens, stops, pad, args.hf_batch),
-            "eyas": lambda: eyas_generate(model, prompts, args.max_new_tokens, stops, pad, args.eyas_batch)}
+            "eyas": lambda: eyas_generate(model, prompts, args.max_new_tokens, stops, args.eyas_batch)}
     rates: dict[str, list[float]] = {k: [] for k in arms}
     answers = {}
     for r in range(args.rounds):
