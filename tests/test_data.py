@@ -333,7 +333,12 @@ def test_decode_batch_equals_generate_one_by_one(tiny_targets, other_target, kin
         cut = next((i for i, t in enumerate(r) if t in stops), None)
         want.append(r if cut is None else r[: cut + 1])
     assert len({len(w) for w in want}) > 2  # the batch really shrinks along the way
+    head_inputs = []  # the LM head must see a contiguous (B, 1, H): a strided view made torch.matmul
+    hook = model.get_output_embeddings().register_forward_pre_hook(  # copy the head B times
+        lambda m, args: head_inputs.append(args[0].is_contiguous()))
     assert decode_batch(model, prompts, 12, stops) == want
+    hook.remove()
+    assert head_inputs and all(head_inputs)
     assert decode_batch(model, prompts, 12, []) == ref
     assert model.config._attn_implementation == attn  # restored
     if prepack.prepack(model):  # `data prepare --regenerate` prepacks fp32 CPU weights: same answers
