@@ -81,11 +81,15 @@ PLANS = {
     # training, tree acceptance 1.87 (about 15.7 min in all). With eyas's own batched regeneration
     # (4.4x generate()'s tokens/s) 700 prompts took 14.4 min (data 4.1, capture 1.4, train 7.7 for
     # 345 steps, bench 1.2); tree acceptance 2.09, 1.19x plain.
+    # 2026-12-01, on a slower day for the same kind of VM (transformers' generate() at half the
+    # speed): 24.1 min (data 7.0, capture 1.1, train 12.9 for 395 steps, bench 2.6); with the
+    # regeneration's prefill fix 23.3 min (data 6.3, capture 1.6, train 12.8, bench 2.6), the same
+    # drafter (acc_0 0.49, tree acceptance 2.41, 1.58x plain bf16). The ETA uses the slow day's minutes.
     # On a 2-core AVX2 EPYC (fp32, prepacked decoding) that plan took about 50 min (data 10.7,
     # capture 5.0, train 30.3 at 355 tok/s, bench 3.6), so there `small` runs FP32_CPU_SMALL.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=800, ttt=5, batch_tokens=2048, bench_prompts=10,
-                  bench_new_tokens=64, minutes=(0.2, 4.2, 0.1, 1.4, 7.8, 1.2), fp32_cpu=FP32_CPU_SMALL),
+                  bench_new_tokens=64, minutes=(0.2, 6.3, 0.1, 1.6, 12.8, 2.6), fp32_cpu=FP32_CPU_SMALL),
     # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
     # eyas/data/PUBLIC_PROMPTS.md), all answered by the target, 3 epochs in one cosine schedule at
     # 4096-token batches. Measured: 78.7 min (data 31.5, capture 7.0, train 36.1 for 741 steps, bench
@@ -144,8 +148,8 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: ~15 min on 2 CPU cores with native bf16 (700 generated prompts); where the "
-                   "stages run in fp32 on a CPU, a plan sized for that: 360 prompts, ~18 min on a 2-core AVX2 CPU; "
+                   help="small: 15-25 min on 2 CPU cores with native bf16 (700 generated prompts; 14 to 23 min "
+                   "measured on different days of the same VM); where the stages run in fp32 on a CPU, a plan sized for that: 360 prompts, ~18 min on a 2-core AVX2 CPU; "
                    "medium: ~75 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
                    "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
