@@ -46,10 +46,12 @@ def register(sub) -> None:
                    help="prompt files (json/jsonl/txt/parquet/arrow; first user turn, chat template applied) or "
                    "`builtin-eval` = the eval split of --data")
     p.add_argument("--data", help="prepared data directory (for --prompts builtin-eval)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt and method (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens generated per prompt and method (default 128)")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="keep the last N prompt tokens (default 1024)")
     p.add_argument("--k", type=int, default=5, help="chain length: drafts per verification step (default 5)")
-    p.add_argument("--tree", default="4,5,16", help="TOPK,DEPTH,TOKENS of the dynamic tree; TOKENS counts the root (default 4,5,16)")
+    p.add_argument("--tree", default="4,5,16",
+                   help="TOPK,DEPTH,TOKENS of the dynamic tree; TOKENS counts the root (default 4,5,16)")
     p.add_argument("--draft-cutoff", type=float, metavar="P",
                    help="drop drafts whose path probability under the drafter (product of its softmax "
                    "probabilities along the path) is below P: chains stop early, trees shrink below TOKENS. "
@@ -57,7 +59,8 @@ def register(sub) -> None:
                    f"{CPU_CUTOFF} for fp32 on a CPU (where every verified token costs; chain and tree measured "
                    "1.1-1.25x faster with it) unless --engine emulates SGLang / vLLM, else 0 (always k drafts / "
                    "TOKENS nodes). Pass 0 to measure the drafter's full-budget acceptance length")
-    p.add_argument("--methods", default="chain,tree", help="eyas methods to run: chain, tree (comma list; default both)")
+    p.add_argument("--methods", default="chain,tree",
+                   help="eyas methods to run: chain, tree (comma list; default both)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (default 1.0)")
     p.add_argument("--baselines", default="plain,hf,pld", help="comma list of plain, hf, pld (plain is always run)")
