@@ -82,13 +82,13 @@ def test_dtype_auto_is_bf16_only_where_bf16_is_native(monkeypatch, tmp_path):
 
 def _spy(parser, seen):
     """The real parser, with the capture stage's function replaced by one that records args."""
-    real_parse = parser.parse_args
+    real_parse = parser.parse_known_args
 
-    def parse_args(argv=None):
-        args = real_parse(argv)
+    def parse_known_args(argv=None):
+        args, extra = real_parse(argv)
         args.func = lambda a: seen.update(dtype=a.dtype) or 0
-        return args
-    parser.parse_args = parse_args
+        return args, extra
+    parser.parse_known_args = parse_known_args
     return parser
 
 
