@@ -312,6 +312,10 @@ def test_targets_with_other_names_train_and_convert(kind, other_target, eyas_cli
     assert torch.equal(load_file(tmp_path / "sp" / "model.safetensors")["embed_tokens.weight"], want)
     run = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
     assert run["intermediate_size"] == (256 if kind == "falcon" else 128)  # ffn_hidden_size = 4 x hidden
+    code, out, err = eyas_cli("target", "info", target, "--json")  # the same names, read the same way
+    info = json.loads(out)
+    assert code == 0 and info["intermediate_size"] == run["intermediate_size"]
+    assert info["num_key_value_heads"] == run["num_key_value_heads"] == (2 if kind == "falcon" else 4)
 
 
 def test_outputs_are_readable_by_other_users(eyas_cli, tiny_target, tmp_path):

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 from safetensors import SafetensorError, safe_open  # noqa: E402
 
-from eyas.core.drafter import mlp_width  # noqa: E402
+from eyas.core.drafter import kv_heads, mlp_width  # noqa: E402
 from eyas.errors import EyasError  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -335,7 +335,7 @@ def info(path: Path) -> dict:
         "num_layers": L,
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+        "num_key_value_heads": kv_heads(cfg),
         "intermediate_size": mlp_width(cfg),
         "vocab_size": cfg.vocab_size,
         "default_aux_layers": default_aux_layers(L),

@@ -71,7 +71,7 @@ class DrafterConfig:
             hidden_size=tcfg.hidden_size,
             target_hidden_size=tcfg.hidden_size,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or getattr(tcfg, "num_kv_heads", None) or heads,
+            num_key_value_heads=kv_heads(tcfg),
             head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
             intermediate_size=mlp_width(tcfg),
             vocab_size=tcfg.vocab_size,
@@ -94,6 +94,13 @@ class DrafterConfig:
         if unknown:
             raise ValueError(f"unknown drafter config keys {sorted(unknown)}")
         return cls(**d)
+
+
+def kv_heads(tcfg) -> int:
+    """The target's key/value head count under its own name (Falcon: `num_kv_heads`); the
+    attention head count where the config names none (no grouped-query attention)."""
+    return int(getattr(tcfg, "num_key_value_heads", None) or getattr(tcfg, "num_kv_heads", None)
+               or tcfg.num_attention_heads)
 
 
 def mlp_width(tcfg) -> int:
