@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 REGEN_BATCH = 64  # prompts per regeneration batch on a CPU (`--batch-size` default)
 
 EPILOG = """\
-input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each optionally .gz; tables: .parquet, .arrow, a datasets save_to_disk directory):
+input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each optionally .gz;
+tables: .parquet, .arrow, a datasets save_to_disk directory):
   schema    detected by                      user turn(s)                          answer (assistant)
   string    bare JSON string / .txt chunk    the string                            -
   openai    messages [{role, content}]       user messages (system kept)           assistant messages
@@ -50,9 +51,9 @@ assistant turn, turn by turn). Duplicates (lowercased letters+digits of the user
 dropped across files; malformed JSONL lines are repaired when harmless (raw control
 characters, invalid \\ escapes, one record split over two lines) or skipped, and counted.
 Category per record: the record's category/subcategory when it names a known one, else
-from the file name (math, code, summarization, qa), else chat. The loss mask covers assistant content and its
-end-of-turn token only. --regenerate work is kept in OUT.partial/ and reused by a rerun of
-the same command after an interruption.
+from the file name (math, code, summarization, qa), else chat. The loss mask covers
+assistant content and its end-of-turn token only. --regenerate work is kept in OUT.partial/
+and reused by a rerun of the same command after an interruption.
 """
 
 
@@ -67,7 +68,8 @@ def register(sub) -> None:
     q.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory "
                    "(default %(default)s)")
     q.add_argument("--input", nargs="+", default=[], metavar="FILE",
-                   help="prompt files (.json/.jsonl/.txt, optionally .gz; .parquet/.arrow or a `datasets` save_to_disk directory), `builtin` (generated prompts) "
+                   help="prompt files (.json/.jsonl/.txt, optionally .gz; .parquet/.arrow or a `datasets` "
+                   "save_to_disk directory), `builtin` (generated prompts) "
                    "and/or `builtin-public` (public prompts shipped with eyas)")
     q.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="with --regenerate: the target also writes N first-turn prompts itself (Magpie: "

@@ -149,7 +149,8 @@ def register(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
                    help="small: 15-25 min on 2 CPU cores with native bf16 (700 generated prompts; 14 to 23 min "
-                   "measured on different days of the same VM); where the stages run in fp32 on a CPU, a plan sized for that: 360 prompts, ~18 min on a 2-core AVX2 CPU; "
+                   "measured on different days of the same VM); where the stages run in fp32 on a CPU, a plan "
+                   "sized for that: 360 prompts, ~18 min on a 2-core AVX2 CPU; "
                    "medium: ~75 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
                    "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
