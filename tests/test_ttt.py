@@ -225,6 +225,46 @@ def test_align_topk_matches_naive_reference(k):
     assert torch.equal(stats.correct, full_stats.correct)  # metrics unchanged
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [3, 256])
+def test_soft_cross_entropy_equals_log_softmax_form(dtype, chunk):
+    """The chunked loss (lse * sum p - p.z, gradient kept from forward) against the plain
+    `-(p[rows] * log_softmax(z.float())).sum(-1)`: values, gradients and argmax, with
+    rows gathered out of order, repeated, a tie at the maximum and a row of zero weight."""
+    g = torch.Generator().manual_seed(3)
+    M, N = 10, 12
+    probs = torch.softmax(torch.randn(7, N, generator=g) * 2, -1)
+    rows = torch.tensor([6, 0, 3, 3, 1, 5, 2, 4, 0, 6])
+    z0 = (torch.randn(M, N, generator=g) * 3).to(dtype)
+    z0[4, 2] = z0[4, 7] = z0[4].max() + 1  # tie: the first index wins, as argmax
+    w = torch.rand(M, generator=g)
+    w[5] = 0
+    za = z0.clone().requires_grad_()
+    ce, top = ttt.soft_cross_entropy(za, probs, rows, chunk=chunk)
+    (ce * w).sum().backward()
+    zb = z0.clone().requires_grad_()
+    ref = -(probs[rows] * torch.log_softmax(zb.float(), -1)).sum(-1)
+    (ref * w).sum().backward()
+    assert ce.dtype == torch.float32 and za.grad.dtype == dtype
+    torch.testing.assert_close(ce, ref)
+    torch.testing.assert_close(za.grad, zb.grad)
+    assert torch.equal(top, z0.float().argmax(-1)) and top[4] == 2
+    with torch.no_grad():  # evaluation: no gradient factor kept
+        ce2, top2 = ttt.soft_cross_entropy(z0, probs, rows, chunk=chunk)
+    assert torch.equal(ce2, ce.detach()) and torch.equal(top2, top)
+    empty, etop = ttt.soft_cross_entropy(z0[:0], probs, rows[:0], chunk=chunk)
+    assert empty.shape == etop.shape == (0,)
+
+
+def test_soft_cross_entropy_backward_runs_once():
+    """fp32 backward scales the kept gradient in place: a second backward must fail, not reuse it."""
+    z = torch.randn(4, 5, requires_grad=True)
+    ce, _ = ttt.soft_cross_entropy(z, torch.softmax(torch.randn(4, 5), -1), torch.arange(4))
+    ce.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        ce.sum().backward()
+
+
 def test_trailing_padding_changes_nothing():
     """Training pads batch lengths up to a multiple of 64 (training.shape_length): loss, step
     statistics and gradients must not depend on trailing padding (zeros, loss mask 0)."""

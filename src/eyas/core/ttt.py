@@ -159,7 +159,9 @@ def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Ten
     probs, found = [], []
     for a in range(0, M, chunk):
         s = states[a:a + chunk]
-        logits = (s @ w_draft.T).float() * logit_scale
+        logits = (s @ w_draft.T).float()
+        if logit_scale != 1.0:
+            logits = logits * logit_scale
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         probs.append(torch.softmax(logits, dim=-1))
@@ -190,6 +192,58 @@ class StepStats:
     chain_n: torch.Tensor  # (K,) supervised at steps 0..i and right at all earlier steps
 
 
+class SoftCrossEntropy(torch.autograd.Function):
+    """Soft cross-entropy against target rows, and the argmax, computed row chunk by row chunk.
+
+    `ce[m] = -sum_n probs[rows[m], n] * log_softmax(logits[m])[n]`, written as
+    `lse(z) * sum(p) - p . z`, with gradient `(softmax(z) * sum(p) - p) * g`: the same function as
+    the log_softmax form (DESIGN 6), in fp32 whatever the logits' dtype (as `.float()` was).
+    On a CPU the loss's passes over the (M, N) logits are memory-bound and cost as much as the
+    head's matmuls, so each chunk of `chunk` rows makes its few passes while in cache, gathers
+    its target rows itself (no (M, N) copy of them), and leaves the gradient's (M, N) factor
+    computed (fp32): backward is one multiply. Returns (ce (M,) fp32, argmax (M,) long).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, probs, rows, chunk):
+        with torch.autocast(logits.device.type, enabled=False):  # fp32 throughout, as documented
+            M, want_grad = logits.shape[0], ctx.needs_input_grad[0]
+            ce = torch.empty(M, dtype=torch.float32, device=logits.device)
+            top = torch.empty(M, dtype=torch.long, device=logits.device)
+            dz = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if want_grad else None
+            for a in range(0, M, chunk):
+                b = min(M, a + chunk)
+                z = logits[a:b].to(torch.float32, copy=True)
+                p = probs.index_select(0, rows[a:b])
+                psum, dot = p.sum(-1), torch.linalg.vecdot(p, z)
+                mx, top[a:b] = z.max(-1)
+                sumexp = z.sub_(mx[:, None]).exp_().sum(-1)
+                ce[a:b] = (mx + sumexp.log()) * psum - dot
+                if want_grad:
+                    torch.sub(z.mul_((psum / sumexp)[:, None]), p, out=dz[a:b])
+        ctx.save_for_backward(dz)
+        ctx.mark_non_differentiable(top)
+        ctx.dtype = logits.dtype
+        return ce, top
+
+    @staticmethod
+    def backward(ctx, g, _):
+        (dz,) = ctx.saved_tensors
+        if ctx.dtype == torch.float32:  # in place: no fresh (M, N) buffer to fault in (a second
+            # backward through a retained graph then fails autograd's saved-tensor version check)
+            return dz.mul_(g[:, None]), None, None, None
+        return torch.mul(dz, g[:, None], out=torch.empty(dz.shape, dtype=ctx.dtype, device=dz.device)), None, None, None
+
+
+LOSS_CHUNK = 256  # rows per chunk of SoftCrossEntropy (256 x 8192 fp32 = 8 MB, in cache on these CPUs)
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
+                       chunk: int = LOSS_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, N) drafter logits vs target rows `probs[rows]` -> (soft CE (M,), argmax (M,))."""
+    return SoftCrossEntropy.apply(logits, probs, rows, chunk)
+
+
 def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: TargetTable, steps: int,
                 denom: torch.Tensor | None = None, align_topk: int = 0) -> tuple[torch.Tensor, StepStats]:
     """Unroll `steps` TTT steps of `drafter` and return (loss, stats).
@@ -216,9 +270,9 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
         rows = table.step_rows(i)
         valid = rows >= 0  # (B, T)
         r = rows[valid]
-        logits = drafter.logits(out[valid]).float()  # (M_i, N)
+        logits = drafter.logits(out[valid])  # (M_i, N)
         iv = table.in_vocab[r] & aligned[valid] if align_topk > 0 else table.in_vocab[r]
-        ce = -(table.probs[r] * torch.log_softmax(logits, dim=-1)).sum(-1)  # (M_i,)
+        ce, top1 = soft_cross_entropy(logits, table.probs, r)  # (M_i,) each
         ce_sum = ce[iv].sum()
         if align_topk > 0 and i + 1 < steps:
             top = drafter.draft_to_target(logits.detach().topk(min(align_topk, logits.shape[-1]), dim=-1).indices)
@@ -227,7 +281,7 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
             aligned = aligned & hit
         loss = loss + (STEP_WEIGHT ** i) * ce_sum / denom[i].clamp(min=1)
         right = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
-        right[valid] = drafter.draft_to_target(logits.argmax(-1)) == table.argmax[r]
+        right[valid] = drafter.draft_to_target(top1) == table.argmax[r]
         chain = chain & valid
         stats["loss_sum"].append(ce_sum.detach())
         stats["loss_n"].append(iv.sum())
