@@ -2,9 +2,10 @@
 transformers' `generate()` on the same prompts, side by side in one run.
 
 Usage: EYAS_HOME=... python bench/bench_regenerate.py [--prompts 64] [--max-new-tokens 192]
-       [--dtype bf16] [--hf-batch 8] [--eyas-batch 64] [--rounds 2] [--threads 2]
-The prompts are the first N built-in prompts (first user turn, chat template applied); each
-round runs both arms once, in alternating order. Counted tokens stop at the first end-of-turn
+       [--dtype bf16] [--hf-batch 8] [--eyas-batch 128[,64,...]] [--rounds 2] [--threads 2]
+The prompts are the first N built-in prompts (first user turn, chat template applied), sorted
+by length as `eyas data prepare` batches them; each round runs every arm once (eyas at each
+`--eyas-batch`, HF unless `--hf-batch 0`), in reversed order every other round. Counted tokens stop at the first end-of-turn
 token, as `eyas data prepare --regenerate` counts them. Also reports how many answers the two
 arms write identically (bf16 batching changes rounding, so some differ; fp32 should not).
 """
@@ -22,6 +23,7 @@ from eyas import targets
 from eyas.builtin_prompts import builtin_prompts
 from eyas.formats.data import end_of_turn_ids
 from eyas.regenerate import decode_batch
+from eyas.stages.data import REGEN_BATCH
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, stops: list[int], pad: int, batch: int):
@@ -53,8 +55,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--hf-batch", type=int, default=8)
-    ap.add_argument("--eyas-batch", type=int, default=64)
+    ap.add_argument("--hf-batch", type=int, default=8, help="0 = no transformers arm")
+    ap.add_argument("--eyas-batch", default=str(REGEN_BATCH), help="comma list: one eyas arm per batch size")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -65,23 +67,26 @@ def main() -> None:
     convs = builtin_prompts()[: args.prompts]
     prompts = [tok(tok.apply_chat_template([c.turns[0]], tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for c in convs]
-    arms = {"hf": lambda: hf_generate(model, prompts, args.max_new_tokens, stops, pad, args.hf_batch),
-            "eyas": lambda: eyas_generate(model, prompts, args.max_new_tokens, stops, args.eyas_batch)}
+    prompts.sort(key=len)
+    arms = {f"eyas@{b}": (lambda b=b: eyas_generate(model, prompts, args.max_new_tokens, stops, b))
+            for b in map(int, args.eyas_batch.split(","))}
+    if args.hf_batch > 0:
+        arms["hf"] = lambda: hf_generate(model, prompts, args.max_new_tokens, stops, pad, args.hf_batch)
     rates: dict[str, list[float]] = {k: [] for k in arms}
     answers = {}
     for r in range(args.rounds):
-        for name in (("hf", "eyas") if r % 2 == 0 else ("eyas", "hf")):
+        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
             t0 = time.perf_counter()
             answers[name] = arms[name]()
             secs = time.perf_counter() - t0
             rates[name].append(sum(len(a) for a in answers[name]) / secs)
             print(f"round {r} {name}: {rates[name][-1]:.1f} tok/s ({secs:.1f} s)", flush=True)
-    same = sum(a == b for a, b in zip(answers["hf"], answers["eyas"]))
     med = {k: statistics.median(v) for k, v in rates.items()}
+    ref = "hf" if "hf" in arms else next(iter(arms))
     print(json.dumps({"prompts": len(prompts), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                      "hf_batch": args.hf_batch, "eyas_batch": args.eyas_batch, "tokens_per_s_median": med,
-                      "ratio_eyas_over_hf": round(med["eyas"] / med["hf"], 3),
-                      "identical_answers": f"{same}/{len(prompts)}"}, indent=1))
+                      "tokens_per_s_median": med, f"ratio_over_{ref}": {k: round(v / med[ref], 3) for k, v in med.items()},
+                      f"answers_identical_to_{ref}": {k: f"{sum(a == b for a, b in zip(answers[ref], v))}/{len(prompts)}"
+                                                      for k, v in answers.items()}}, indent=1))
 
 
 if __name__ == "__main__":

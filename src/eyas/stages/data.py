@@ -23,10 +23,11 @@ from eyas.formats.prompts import Conversation
 from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
 
 log = logging.getLogger(__name__)
-# prompts per regeneration batch on a CPU (`--batch-size` default). Decoding a 135M target is bound by
-# reading its weights once per step, so wider batches amortise them: 128 built-in prompts x 160 tokens,
-# bf16, 2 threads (2026-12-01, decode_batch over sorted prompts, two rounds): batch 64 309/330 tok/s, 128 345/445;
-# 256 prompts: 128 408/416, 256 430/452 (small gain, twice the KV cache).
+# prompts per regeneration batch on a CPU (`--batch-size` default). A decoding step's small matrix
+# products cost nearly as much for 64 rows as for 128, so wider batches write more tokens per second:
+# `bench/bench_regenerate.py --prompts 128 --max-new-tokens 160 --hf-batch 0 --eyas-batch 64,128`
+# (bf16, 2 threads, 2026-12-01, 8 rounds over three runs on a noisy VM): median 394 vs 444 tok/s
+# (1.13x; 128 ahead in 6 of 8 rounds). 256 on 256 prompts: 1.06x over 128, for twice the KV cache.
 REGEN_BATCH = 128
 
 EPILOG = """\
