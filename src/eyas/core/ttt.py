@@ -235,12 +235,16 @@ class SoftCrossEntropy(torch.autograd.Function):
         return torch.mul(dz, g[:, None], out=torch.empty(dz.shape, dtype=ctx.dtype, device=dz.device)), None, None, None
 
 
-LOSS_CHUNK = 256  # rows per chunk of SoftCrossEntropy (256 x 8192 fp32 = 8 MB, in cache on these CPUs)
+# rows per chunk of SoftCrossEntropy: on a CPU 256 x 8192 fp32 = 8 MB stays in cache; on a GPU
+# the cache argument does not apply and each chunk costs kernel launches, so chunks are large there
+LOSS_CHUNK = {"cpu": 256, "other": 8192}
 
 
 def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
-                       chunk: int = LOSS_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, N) drafter logits vs target rows `probs[rows]` -> (soft CE (M,), argmax (M,))."""
+    if chunk is None:
+        chunk = LOSS_CHUNK["cpu" if logits.device.type == "cpu" else "other"]
     return SoftCrossEntropy.apply(logits, probs, rows, chunk)
 
 
