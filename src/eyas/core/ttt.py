@@ -279,7 +279,7 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
         ce, top1 = soft_cross_entropy(logits, table.probs, r)  # (M_i,) each
         ce_sum = ce[iv].sum()
         if align_topk > 0 and i + 1 < steps:
-            top = drafter.draft_to_target(logits.detach().topk(min(align_topk, logits.shape[-1]), dim=-1).indices)
+            top = drafter.draft_to_target(logits.detach().float().topk(min(align_topk, logits.shape[-1]), dim=-1).indices)
             hit = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
             hit[valid] = (top == shift_left(input_ids, 2 + i)[valid][:, None]).any(-1)
             aligned = aligned & hit
