@@ -339,7 +339,12 @@ def test_decode_batch_equals_generate_one_by_one(tiny_targets, other_target, kin
     assert decode_batch(model, prompts, 12, stops) == want
     hook.remove()
     assert head_inputs and all(head_inputs)
-    assert decode_batch(model, prompts, 12, []) == ref
+    ticks: list[int] = []  # progress: the answer tokens each step wrote, rows that stopped not counted
+    assert decode_batch(model, prompts, 12, [], tick=ticks.append) == ref
+    assert ticks == [len(prompts)] * 12
+    ticks.clear()
+    assert decode_batch(model, prompts, 12, stops, tick=ticks.append) == want
+    assert sum(ticks) == sum(map(len, want)) and ticks[0] == len(prompts) > ticks[-1]
     assert model.config._attn_implementation == attn  # restored
     if prepack.prepack(model):  # `data prepare --regenerate` prepacks fp32 CPU weights: same answers
         assert decode_batch(model, prompts, 12, stops) == want

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -112,34 +113,34 @@ def seed_batch(settings: GenSettings, b: int) -> None:
 
 
 def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenSettings,
-                   stop_ids: list[int]) -> tuple[list[str], int]:
+                   stop_ids: list[int], tick: Callable[[int], None] | None = None) -> tuple[list[str], int]:
     """One generation step for a batch of conversations ending in a user turn.
 
     Returns the decoded answers (up to the first stop token) and the number of new tokens.
     """
     texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    rows = decode_batch(model, prompts, settings.max_new_tokens, stop_ids, settings.temperature)
+    rows = decode_batch(model, prompts, settings.max_new_tokens, stop_ids, settings.temperature, tick)
     answers = [tokenizer.decode([t for t in row if t not in stop_ids], skip_special_tokens=True) for row in rows]
     return answers, sum(len(row) for row in rows)
 
 
 @torch.inference_mode()
 def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                 temperature: float = 0.0) -> list[list[int]]:
+                 temperature: float = 0.0, tick: Callable[[int], None] | None = None) -> list[list[int]]:
     """Continue each prompt until its first stop token (kept) or max_new_tokens: greedy, or
     sampled at `temperature` (torch's global RNG). Left-padded batch in one preallocated KV
     cache; finished sequences leave the batch once a quarter of it has finished, so short
     answers stop costing compute (transformers' `generate()` carries them to the end). Padding
-    is id 0, masked out."""
+    is id 0, masked out. `tick(n)` after each step: the n answer tokens it wrote (progress)."""
     prev = model.config._attn_implementation
     try:
-        return _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature)
+        return _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, tick)
     finally:
         model.set_attn_implementation(prev)
 
 
-def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature) -> list[list[int]]:
+def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, tick) -> list[list[int]]:
     from transformers.cache_utils import Cache
 
     from eyas import targets
@@ -171,6 +172,8 @@ def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature) -> list
             tok = logits.float().argmax(-1).cpu()
         for r, t in zip(live.tolist(), tok.tolist()):
             out[r].append(t)
+        if tick is not None:
+            tick(int((~done).sum()))  # rows finished earlier ride along; their tokens are cut below
         done = done | torch.isin(tok, stops)
         if step == max_new_tokens - 1 or bool(done.all()):
             break
@@ -239,7 +242,7 @@ def _plain_attention(model) -> bool:
 
 
 def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSettings, stop_ids: list[int],
-               limit: int, stats: GenStats) -> list[list[str]]:
+               limit: int, stats: GenStats, tick: Callable[[int], None] | None = None) -> list[list[str]]:
     """Answer every user turn of a batch of conversations, turn by turn."""
     histories: list[list[dict]] = [[] for _ in convs]
     pending = [prompt_turns(c) for c in convs]
@@ -264,7 +267,7 @@ def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSetting
                 fits.append(i)
         if not fits:
             return answers
-        texts, n = generate_batch(model, tokenizer, [histories[i] for i in fits], settings, stop_ids)
+        texts, n = generate_batch(model, tokenizer, [histories[i] for i in fits], settings, stop_ids, tick)
         stats.new_tokens += n
         for i, text in zip(fits, texts):
             answers[i].append(text)
@@ -296,25 +299,32 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     order = sorted(range(len(convs)), key=lambda i: len(json.dumps(prompt_turns(convs[i]), ensure_ascii=False)))
     by_len = [convs[i] for i in order]
     n_batches = (len(convs) + B - 1) // B
-    bar = tqdm(total=n_batches, desc="regenerate", unit="batch", disable=not progress, dynamic_ncols=True)
+    # Progress in answer tokens against the budget (max_new_tokens per user turn): each step ticks
+    # the tokens it wrote, each finished batch tops the bar up to its whole budget (answers that
+    # stopped early), so the bar moves every step and ends full. Batch count in the postfix.
+    budget = [settings.max_new_tokens * sum(t["role"] == "user" for c in by_len[b * B:(b + 1) * B]
+                                            for t in prompt_turns(c)) for b in range(n_batches)]
+    bar = tqdm(total=sum(budget), desc="regenerate", unit="tok", unit_scale=True, disable=not progress,
+               dynamic_ncols=True)
     try:
         for b in range(n_batches):
             batch = by_len[b * B:(b + 1) * B]
             if b in work.done and work.done[b]["ids"] == [c.id for c in batch]:
                 stats.batches_reused += 1
                 stats.cut_turns += work.done[b].get("cut", 0)  # a property of the data, not of this run
-                bar.update(1)
+                bar.update(sum(budget[:b + 1]) - bar.n)
                 continue
             seed_batch(settings, b)
             t0 = time.perf_counter()
             cut_before = stats.cut_turns
-            answers = _run_batch(model, tokenizer, batch, settings, stop_ids, limit, stats)
+            answers = _run_batch(model, tokenizer, batch, settings, stop_ids, limit, stats,
+                                 tick=lambda n: bar.update(min(n, sum(budget[:b + 1]) - bar.n)))
             stats.seconds += time.perf_counter() - t0
             stats.batches_done += 1
             work.append({"batch": b, "ids": [c.id for c in batch], "answers": answers,
                          "cut": stats.cut_turns - cut_before})
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
-            bar.update(1)
+            bar.set_postfix(batch=f"{b + 1}/{n_batches}", tok_s=f"{stats.tokens_per_s:.1f}")
+            bar.update(sum(budget[:b + 1]) - bar.n)
     finally:
         bar.close()
     out: list[Conversation | None] = [None] * len(convs)
