@@ -5,9 +5,10 @@ Usage: EYAS_HOME=... python bench/bench_regenerate.py [--prompts 64] [--max-new-
        [--dtype bf16] [--hf-batch 8] [--eyas-batch 128[,64,...]] [--rounds 2] [--threads 2]
 The prompts are the first N built-in prompts (first user turn, chat template applied), sorted
 by length as `eyas data prepare` batches them; each round runs every arm once (eyas at each
-`--eyas-batch`, HF unless `--hf-batch 0`), in reversed order every other round. Counted tokens stop at the first end-of-turn
-token, as `eyas data prepare --regenerate` counts them. Also reports how many answers the two
-arms write identically (bf16 batching changes rounding, so some differ; fp32 should not).
+`--eyas-batch`, HF unless `--hf-batch 0`), in reversed order every other round. Counted tokens
+stop at the first end-of-turn token, as `eyas data prepare --regenerate` counts them. Also
+reports how many answers each arm writes identically to the reference arm (HF, else the first
+eyas batch size): bf16 batching changes rounding, so some differ; fp32 should not.
 """
 
 from __future__ import annotations

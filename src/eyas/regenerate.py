@@ -13,6 +13,7 @@ exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -304,7 +305,8 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     # stopped early), so the bar moves every step and ends full. Batch count in the postfix.
     budget = [settings.max_new_tokens * sum(t["role"] == "user" for c in by_len[b * B:(b + 1) * B]
                                             for t in prompt_turns(c)) for b in range(n_batches)]
-    bar = tqdm(total=sum(budget), desc="regenerate", unit="tok", unit_scale=True, disable=not progress,
+    upto = list(itertools.accumulate(budget))  # the bar's position once batch b is done
+    bar = tqdm(total=upto[-1] if upto else 0, desc="regenerate", unit="tok", unit_scale=True, disable=not progress,
                dynamic_ncols=True)
     try:
         for b in range(n_batches):
@@ -312,19 +314,19 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
             if b in work.done and work.done[b]["ids"] == [c.id for c in batch]:
                 stats.batches_reused += 1
                 stats.cut_turns += work.done[b].get("cut", 0)  # a property of the data, not of this run
-                bar.update(sum(budget[:b + 1]) - bar.n)
+                bar.update(upto[b] - bar.n)
                 continue
             seed_batch(settings, b)
             t0 = time.perf_counter()
             cut_before = stats.cut_turns
             answers = _run_batch(model, tokenizer, batch, settings, stop_ids, limit, stats,
-                                 tick=lambda n: bar.update(min(n, sum(budget[:b + 1]) - bar.n)))
+                                 tick=lambda n: bar.update(min(n, upto[b] - bar.n)))
             stats.seconds += time.perf_counter() - t0
             stats.batches_done += 1
             work.append({"batch": b, "ids": [c.id for c in batch], "answers": answers,
                          "cut": stats.cut_turns - cut_before})
             bar.set_postfix(batch=f"{b + 1}/{n_batches}", tok_s=f"{stats.tokens_per_s:.1f}")
-            bar.update(sum(budget[:b + 1]) - bar.n)
+            bar.update(upto[b] - bar.n)
     finally:
         bar.close()
     out: list[Conversation | None] = [None] * len(convs)
