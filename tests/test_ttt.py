@@ -100,6 +100,32 @@ def test_target_table_with_known_argmax():
         ttt.target_table(last, mask, lm, tids, t2d, argmax=tab.argmax[:-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N", [7, 40])
+def test_target_table_argmax_with_ties_equals_full_vocabulary_argmax(dtype, N):
+    """Entries in {-1, 0, 1}: every product is a small integer, exact in bf16, so maxima tie often
+    within the draft rows, within the others and across the two; a full-vocabulary argmax
+    (first maximum = lowest id) is the reference. N = V: no other rows."""
+    V, H = 40, 6
+    g = torch.Generator().manual_seed(3)
+    last = torch.randint(-1, 2, (3, 50, H), generator=g).to(dtype)
+    lm = torch.randint(-1, 2, (V, H), generator=g).to(dtype)
+    mask = torch.ones(3, 50)
+    tids = torch.sort(torch.randperm(V, generator=g)[:N]).values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[tids] = True
+    full = last.float()[:, :-1].reshape(-1, H) @ lm.float().T  # every position but the last is supervised
+    want = full.argmax(-1)
+    ties = ((full == full.amax(-1, keepdim=True)).sum(-1) > 1).sum()
+    assert ties > 50  # the case under test is common here
+    for chunk in (1, 7, 256):
+        tab = ttt.target_table(last, mask, lm, tids, t2d, chunk=chunk)
+        assert torch.equal(tab.argmax, want)
+        assert torch.equal(tab.in_vocab, t2d[want])
+    if N < V:
+        assert 0 < int(tab.in_vocab.sum()) < want.numel()  # both kinds of winner occur
+
+
 def tiny_drafter(V=32, N=20, H=16, seed=0):
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=H, target_hidden_size=H, num_attention_heads=4, num_key_value_heads=2,

@@ -63,7 +63,7 @@ class TrainConfig:
     keep_last: int = 2
     log_every: int = 10
     fsdp: bool = False
-    target_chunk: int = 1024
+    target_chunk: int | None = None  # rows per chunk of the target table (None: ttt.TABLE_CHUNK by device)
     aux_gain: bool = True  # per-channel power-of-two gain on fc's input (core.drafter.aux_gain_from_rms)
     align_topk: int = 0  # loss only on slots reachable by top-k drafting (core.ttt.ttt_forward); 0 = off
 

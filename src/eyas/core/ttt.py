@@ -135,18 +135,27 @@ class TargetTable:
         return torch.stack(out).to(torch.float32)
 
 
+# rows per chunk of target_table: on a CPU a (256, V) chunk of the full-vocabulary product stays
+# small enough to be reused rather than faulted in afresh (a 49k vocabulary: 25 MB in bf16)
+TABLE_CHUNK = {"cpu": 256, "other": 1024}
+
+
 @torch.no_grad()
 def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor, target_ids: torch.Tensor,
-                 t2d: torch.Tensor, chunk: int = 1024, argmax: torch.Tensor | None = None,
+                 t2d: torch.Tensor, chunk: int | None = None, argmax: torch.Tensor | None = None,
                  logit_scale: float = 1.0, softcap: float | None = None) -> TargetTable:
     """Build the TargetTable from the final-norm states `last` (B, T, H) and the target's
     `lm_head` (V, H). The draft distributions come from the N draft rows of lm_head only; the
-    full-vocabulary argmax needs all V rows, `chunk` positions at a time (a 49k vocabulary at
-    T=2048 never materialises (B*T, V)), unless the caller passes it: `argmax` (M,), known
-    from an earlier epoch (it depends on the data alone), skips the (M, V) product.
+    full-vocabulary argmax needs the other V - N rows too, `chunk` positions at a time (a 49k
+    vocabulary at T=2048 never materialises (B*T, V)), unless the caller passes it: `argmax`
+    (M,), known from an earlier epoch (it depends on the data alone), skips that product.
     `logit_scale` and `softcap` are the target's own logit transform (`targets.logit_transform`:
     logits * scale, then softcap * tanh(logits / softcap)), so the draft distribution is the one
-    the target samples from; both are increasing, so the argmax never needs them."""
+    the target samples from; both are increasing, so the argmax never needs them.
+
+    The argmax is the draft rows' argmax unless the best of the other rows reaches it (ties go
+    to the lower target id, as a full-vocabulary argmax does): the other rows only need their
+    maximum (`amax`, no index, no fp32 copy), and their index only where they win."""
     B, T, _ = last.shape
     sup = torch.zeros(B, T, dtype=torch.bool, device=last.device)
     sup[:, :-1] = loss_mask[:, 1:].bool()
@@ -155,18 +164,25 @@ def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Ten
     index[sup] = torch.arange(M, device=last.device)
     states = last[sup]  # (M, H)
     w = lm_head.to(states.dtype)
+    target_ids = target_ids.to(last.device)
     w_draft = w[target_ids]  # (N, H)
+    if argmax is None:
+        others = torch.ones(w.shape[0], dtype=torch.bool, device=last.device)
+        others[target_ids] = False
+        rest_ids = others.nonzero().flatten()  # ascending, as target_ids
+        w_rest = w.index_select(0, rest_ids)  # (V - N, H)
+    chunk = chunk or TABLE_CHUNK["cpu" if last.device.type == "cpu" else "other"]
     probs, found = [], []
     for a in range(0, M, chunk):
         s = states[a:a + chunk]
         logits = (s @ w_draft.T).float()
+        if argmax is None:
+            found.append(_full_argmax(s, logits, w_rest, target_ids, rest_ids))
         if logit_scale != 1.0:
             logits = logits * logit_scale
         if softcap:
             logits = softcap * torch.tanh(logits / softcap)
         probs.append(torch.softmax(logits, dim=-1))
-        if argmax is None:
-            found.append((s @ w.T).float().argmax(-1))  # fp32 argmax is ~4x faster than bf16 on CPU
     N = target_ids.numel()
     probs_t = torch.cat(probs) if probs else torch.zeros(0, N, device=last.device)
     if argmax is None:
@@ -175,6 +191,24 @@ def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Ten
         raise ValueError(f"argmax has shape {tuple(argmax.shape)}, the batch has {M} supervised positions")
     argmax = argmax.to(device=last.device, dtype=torch.long)
     return TargetTable(index, probs_t, argmax, t2d[argmax])
+
+
+def _full_argmax(s: torch.Tensor, draft_logits: torch.Tensor, w_rest: torch.Tensor, target_ids: torch.Tensor,
+                 rest_ids: torch.Tensor) -> torch.Tensor:
+    """Target id of the largest of the draft logits (rows' products with the draft rows, fp32)
+    and the products of `s` with the other rows `w_rest`; ties go to the lower target id."""
+    best, at = draft_logits.max(-1)
+    top = target_ids[at]  # target_ids ascending: the first maximum is the lowest id
+    if rest_ids.numel() == 0:
+        return top
+    rest = s @ w_rest.T  # (c, V - N), in the states' dtype: exact in fp32, so no copy for the max
+    rows = (rest.amax(-1).float() >= best).nonzero().flatten()
+    if rows.numel():
+        value, where = rest[rows].float().max(-1)
+        rid = rest_ids[where]
+        tie = value == best[rows]
+        top[rows] = torch.where(tie, torch.minimum(top[rows], rid), rid)
+    return top
 
 
 # ---------------------------------------------------------------- unrolled loss + metrics
