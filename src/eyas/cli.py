@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from eyas import __version__
+from eyas import __version__, hostmem
 from eyas.errors import EyasError
 
 STAGES = ("target", "data", "vocab", "capture", "train", "export", "bench", "doctor", "quickstart")
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    hostmem.retain_freed_memory()  # freed tensor buffers reused, not faulted in afresh (eyas.hostmem)
     try:
         if getattr(args, "dtype", None) == "auto":  # one meaning for every stage: the machine's fast dtype
             from eyas import targets
