@@ -87,6 +87,8 @@ PLANS = {
     # drafter (acc_0 0.49, tree acceptance 2.41, 1.58x plain bf16). The ETA uses the slow day's minutes.
     # Later that day, with the chunked training loss and regeneration batches of 128, on a faster hour
     # (the unchanged capture 1.0 min, not 1.6): 17.4 min (data 4.0, capture 1.0, train 10.3, bench 2.1).
+    # That evening, with the cheaper target table and eyas.hostmem, on the slowest hour (plain decoding
+    # 12.7 tok/s, not 24.3): 23.6 min (data 4.6, capture 1.3, train 14.2, bench 3.6), same data and drafter quality.
     # On a 2-core AVX2 EPYC (fp32, prepacked decoding) that plan took about 50 min (data 10.7,
     # capture 5.0, train 30.3 at 355 tok/s, bench 3.6), so there `small` runs FP32_CPU_SMALL.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
