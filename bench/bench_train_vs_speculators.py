@@ -202,6 +202,10 @@ def main() -> None:
     if a.which:
         feats = torch.load(a.feats, weights_only=True)
         fn = run_eyas if a.which == "eyas" else run_speculators
+        if a.which == "eyas":  # as every eyas command runs (eyas.cli.main); speculators keeps glibc's defaults
+            from eyas import hostmem
+
+            hostmem.retain_freed_memory()
         print(json.dumps(fn(a, feats, a.feats.parent)))
         return
     from eyas import targets
