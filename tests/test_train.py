@@ -189,7 +189,7 @@ def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkey
 
 
 def test_ddp_two_processes_equal_one(pipe, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1", "TMPDIR": str(tmp_path)}  # torchrun's log dirs
     args = ["--target", str(pipe["target"]), "--capture", str(pipe["cap"]), "--vocab", str(pipe["vocab"]),
             "--ttt", "2", "--max-steps", "2", "--eval-every", "100", "--batch-tokens", "512", "--max-len", "96",
             "--dtype", "fp32", "--lr", "1e-3"]  # 512: the same batches for 1 and 2 processes (a lone leftover
@@ -216,7 +216,7 @@ def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
     """Under FSDP (2 processes, gloo) a run resumed from its step-2 checkpoint ends where the
     uninterrupted run ends: weights AND the sharded AdamW moments come back (restarting the
     optimizer would change every later update)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1", "TMPDIR": str(tmp_path)}  # torchrun's log dirs
     args = ["--target", str(pipe["target"]), "--capture", str(pipe["cap"]), "--vocab", str(pipe["vocab"]),
             "--ttt", "2", "--epochs", "3", "--max-steps", "5", "--eval-every", "2", "--batch-tokens", "400", "--max-len", "96",
             "--dtype", "fp32", "--lr", "1e-3", "--keep-last", "3", "--fsdp"]
