@@ -80,8 +80,11 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
 
 def test_default_draft_cutoff_only_where_verification_costs():
     assert bench.default_cutoff(torch.device("cpu"), torch.float32) == bench.CPU_CUTOFF > 0
-    assert bench.default_cutoff(torch.device("cpu"), torch.bfloat16) == 0.0
+    assert 0 < bench.default_cutoff(torch.device("cpu"), torch.bfloat16) == bench.CPU_BF16_CUTOFF < bench.CPU_CUTOFF
+    assert bench.default_cutoff(torch.device("cpu"), torch.float16) == 0.0  # not measured
     assert bench.default_cutoff(torch.device("cuda"), torch.float32) == 0.0
+    assert bench.default_cutoff(torch.device("cuda"), torch.bfloat16) == 0.0
+    assert bench.default_cutoff(torch.device("cpu"), torch.bfloat16, engine="vllm") == 0.0
     assert bench.default_cutoff(torch.device("cpu"), torch.float32, engine="sglang") == 0.0  # as the engine drafts
 
 

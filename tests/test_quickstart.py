@@ -7,7 +7,7 @@ import json
 import pathlib
 
 from eyas.stages import quickstart as qs
-from eyas.stages.bench import CPU_CUTOFF
+from eyas.stages.bench import CPU_BF16_CUTOFF, CPU_CUTOFF
 
 PLAN = qs.Plan(prompts=4, answer_tokens=4, eval_fraction=0.5, max_len=64, draft_vocab=32, train_epochs=1,
                train_max_steps=1, ttt=2, batch_tokens=256, bench_prompts=1, bench_new_tokens=4, dtype="fp32")
@@ -143,14 +143,14 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
 def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatch, caplog):
     """Where the stages run in fp32 on a CPU, a plan with an `fp32_cpu` variant runs that variant
     (its own sizes in every argv, its own minutes in the ETA, the bench's fp32 draft cutoff);
-    with native bf16 it runs itself (no cutoff)."""
+    with native bf16 it runs itself (the bf16 cutoff)."""
     import logging
 
     from eyas import targets
 
     small = qs.Plan(**{**PLAN.__dict__, "prompts": 3, "draft_vocab": 16, "minutes": (0, 1, 0, 1, 1, 1)})
     plan = qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": (0, 9, 0, 9, 9, 9), "fp32_cpu": small})
-    for fast, prompts, vocab, cutoff in (("fp32", "3", "16", str(CPU_CUTOFF)), ("bf16", "4", "32", "0.0")):
+    for fast, prompts, vocab, cutoff in (("fp32", "3", "16", str(CPU_CUTOFF)), ("bf16", "4", "32", str(CPU_BF16_CUTOFF))):
         monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu", fast=fast: fast)
         rec = Recorder()
         caplog.clear()

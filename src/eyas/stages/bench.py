@@ -32,6 +32,13 @@ PLD_TOKENS = 10
 # 1.08x -> 1.29x over plain at 0.1 (0.05: 1.27x / 1.24x; 0.2: 1.26x / 1.25x); a small one
 # chain 0.98x -> 1.08x, tree 0.88x -> 1.10x at 0.08.
 CPU_CUTOFF = 0.1
+# The same for bf16 on a CPU (an AMX machine: verifying 16 tokens costs little more than one, but
+# each draft step still costs ~5% of a target step). On the 2-core AMX VM, quickstart drafter, 20
+# MT-bench + MBPP prompts, 64 tokens, every cutoff interleaved prompt by prompt in one process, two
+# runs: tree 4,5,16 1.31x / 1.35x -> 1.47x / 1.45x over plain at 0.05 (0.03: 1.35x / 1.49x; 0.1:
+# 1.38x), chain 1.17x / 1.17x -> 1.28x / 1.24x; on its 10 held-out built-in prompts tree 1.65x ->
+# 1.73x, chain 1.48x -> 1.53x.
+CPU_BF16_CUTOFF = 0.05
 ENGINES = ("eyas", "sglang", "vllm")  # = runtime.ENGINES (runtime is imported lazily: transformers)
 
 
@@ -57,7 +64,8 @@ def register(sub) -> None:
                    "probabilities along the path) is below P: chains stop early, trees shrink below TOKENS. "
                    "Output is unchanged; speed and acceptance length move. Default: "
                    f"{CPU_CUTOFF} for fp32 on a CPU (where every verified token costs; chain and tree measured "
-                   "1.1-1.25x faster with it) unless --engine emulates SGLang / vLLM, else 0 (always k drafts / "
+                   f"1.1-1.25x faster with it), {CPU_BF16_CUTOFF} for bf16 on a CPU (where each draft step costs; "
+                   "measured 1.03-1.12x faster), unless --engine emulates SGLang / vLLM; else 0 (always k drafts / "
                    "TOKENS nodes). Pass 0 to measure the drafter's full-budget acceptance length")
     p.add_argument("--methods", default="chain,tree",
                    help="eyas methods to run: chain, tree (comma list; default both)")
@@ -90,14 +98,15 @@ def register(sub) -> None:
 
 
 def default_cutoff(device: torch.device, dtype: torch.dtype, engine: str = "eyas") -> float:
-    """`--draft-cutoff` unless given: CPU_CUTOFF where the target verifies in fp32 on a CPU (each
-    verified token costs: a 16-token forward ~1.8x a 1-token one on the AVX2 EPYC), else 0. bf16
-    on a CPU is the AMX machines' choice, where 16-32 tokens verify for little more than one, and
-    on a GPU verification is flat too; there a smaller tree is rarely worth what it loses. An
-    emulated engine (`--engine sglang|vllm`) drafts its full budget, as the engine does."""
-    if engine != "eyas":
+    """`--draft-cutoff` unless given. On a CPU: CPU_CUTOFF in fp32 (each verified token costs: a
+    16-token forward ~1.8x a 1-token one on the AVX2 EPYC), CPU_BF16_CUTOFF in bf16 (the AMX
+    machines' choice: 16-32 tokens verify for little more than one, so the cutoff pays by the draft
+    steps it saves, at a lower probability). Else 0: on a GPU verification and draft steps cost
+    little (launch-bound), and no cutoff was measured there. An emulated engine (`--engine
+    sglang|vllm`) drafts its full budget, as the engine does."""
+    if engine != "eyas" or torch.device(device).type != "cpu":
         return 0.0
-    return CPU_CUTOFF if torch.device(device).type == "cpu" and dtype == torch.float32 else 0.0
+    return {torch.float32: CPU_CUTOFF, torch.bfloat16: CPU_BF16_CUTOFF}.get(dtype, 0.0)
 
 
 def parse_tree(spec: str) -> tuple[int, int, int]:
