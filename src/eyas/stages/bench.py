@@ -35,9 +35,9 @@ CPU_CUTOFF = 0.1
 # The same for bf16 on a CPU (an AMX machine: verifying 16 tokens costs little more than one, but
 # each draft step still costs ~5% of a target step). On the 2-core AMX VM, quickstart drafter, 20
 # MT-bench + MBPP prompts, 64 tokens, every cutoff interleaved prompt by prompt in one process, two
-# runs: tree 4,5,16 1.31x / 1.35x -> 1.47x / 1.45x over plain at 0.05 (0.03: 1.35x / 1.49x; 0.1:
-# 1.38x), chain 1.17x / 1.17x -> 1.28x / 1.24x; on its 10 held-out built-in prompts tree 1.65x ->
-# 1.73x, chain 1.48x -> 1.53x.
+# runs: tree 4,5,16 1.31x / 1.35x -> 1.47x / 1.45x over plain at 0.05 (0.02: 1.35x; 0.03: 1.49x;
+# 0.08: 1.45x; 0.1: 1.38x), chain 1.17x / 1.17x -> 1.28x / 1.24x; on its 10 held-out built-in
+# prompts tree 1.65x -> 1.73x, chain 1.48x -> 1.53x.
 CPU_BF16_CUTOFF = 0.05
 ENGINES = ("eyas", "sglang", "vllm")  # = runtime.ENGINES (runtime is imported lazily: transformers)
 
