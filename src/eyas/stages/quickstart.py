@@ -95,6 +95,8 @@ PLANS = {
     # each; val of the eval split): 2048 tokens, 400 steps, simulated acceptance 2.036 (seed 1: 2.055)
     # in 19.6 min; 1024, 797 steps, 2.121 in 19.3 min (this plan: the same tokens/s); 512, 1,688 steps,
     # 2.187 in 21.4 min (about 10% fewer tokens/s); 2048 for 7 epochs, 560 steps, 2.176 in 25.0 min.
+    # The whole quickstart with it (and the bench's bf16 cutoff 0.05), fresh: 21.8 min (data 4.5, capture
+    # 1.2, train 13.6 for 797 steps, bench 2.5), val 2.096, own bench tree 1.61x plain bf16.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=1600, ttt=5, batch_tokens=1024, bench_prompts=10,
                   bench_new_tokens=64, minutes=(0.2, 6.3, 0.1, 1.6, 12.8, 2.6), fp32_cpu=FP32_CPU_SMALL),
