@@ -133,7 +133,7 @@ def _check_args(args) -> None:
     if args.max_new_tokens <= 0:
         raise EyasError(f"--max-new-tokens {args.max_new_tokens}: must be positive, e.g. 256")
     if args.batch_size <= 0:
-        raise EyasError(f"--batch-size {args.batch_size}: must be positive, e.g. {REGEN_BATCH} (the default on a CPU)")
+        raise EyasError(f"--batch-size {args.batch_size}: must be positive, e.g. {REGEN_BATCH} (the default)")
     if not 0 <= args.temperature < math.inf:
         raise EyasError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
     targets.parse_dtype(args.dtype)
