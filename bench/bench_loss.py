@@ -1,4 +1,4 @@
-"""The training loss at one TTT step: eyas's chunked soft cross-entropy vs the plain
+"""The training loss at one TTT step: eyas's chunked head + soft cross-entropy vs the plain
 log_softmax form, forward + backward through the draft head, interleaved in one process.
 
     python bench/bench_loss.py [--rows 1200] [--vocab 8192] [--hidden 576] [--dtype bf16|fp32]
@@ -8,8 +8,9 @@ log_softmax form, forward + backward through the draft head, interleaved in one 
 about 1,200); the head is `vocab x hidden` (SmolLM2 with an 8k draft vocabulary). Both arms
 compute the same function (tests/test_ttt.py checks values and gradients); the plain arm is
 `-(probs[rows] * log_softmax(logits.float())).sum(-1)` plus the argmax, as `ttt_forward` did
-before the chunked form. Also times the head's two matrix products alone, so the loss's own
-share is the difference.
+before the chunked form. Also times the head's matrix products alone (`F.linear`, forward and
+backward), so the loss's own share is the difference (negative when the chunked form's products
+run faster than the plain ones).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     head = (torch.randn(a.vocab, a.hidden) * 0.05).requires_grad_()
-    x = torch.randn(a.rows, a.hidden)
+    x = torch.randn(a.rows, a.hidden).requires_grad_()  # the drafter states: their gradient is part of the cost
     probs = torch.softmax(torch.randn(a.rows + 100, a.vocab) * 3, -1)
     rows = torch.randperm(a.rows + 100)[: a.rows]
     bf16 = a.dtype == "bf16"
@@ -53,7 +54,8 @@ def main() -> None:
         ce.sum().backward()
 
     def chunked():
-        ce, _ = ttt.soft_cross_entropy(logits(), probs, rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            ce, _, _ = ttt.head_soft_cross_entropy(x, head, probs, rows)
         ce.sum().backward()
 
     def head_only():

@@ -253,39 +253,80 @@ def test_align_topk_matches_naive_reference(k):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [3, 256])
-def test_soft_cross_entropy_equals_log_softmax_form(dtype, chunk):
-    """The chunked loss (lse * sum p - p.z, gradient kept from forward) against the plain
-    `-(p[rows] * log_softmax(z.float())).sum(-1)`: values, gradients and argmax, with
-    rows gathered out of order, repeated, a tie at the maximum and a row of zero weight."""
+def test_head_soft_cross_entropy_equals_log_softmax_form(dtype, chunk):
+    """The chunked head + loss (lse * sum p - p.z, gradient kept from forward, input gradient in
+    row chunks) against the plain `-(p[rows] * log_softmax((x @ w.T).float())).sum(-1)`: values,
+    gradients of x and w, argmax and top-k, with rows gathered out of order, repeated, a tie at
+    the maximum and a row of zero weight."""
     g = torch.Generator().manual_seed(3)
-    M, N = 10, 12
+    M, N, H = 10, 12, 6
     probs = torch.softmax(torch.randn(7, N, generator=g) * 2, -1)
     rows = torch.tensor([6, 0, 3, 3, 1, 5, 2, 4, 0, 6])
-    z0 = (torch.randn(M, N, generator=g) * 3).to(dtype)
-    z0[4, 2] = z0[4, 7] = z0[4].max() + 1  # tie: the first index wins, as argmax
-    w = torch.rand(M, generator=g)
-    w[5] = 0
-    za = z0.clone().requires_grad_()
-    ce, top = ttt.soft_cross_entropy(za, probs, rows, chunk=chunk)
-    (ce * w).sum().backward()
-    zb = z0.clone().requires_grad_()
-    ref = -(probs[rows] * torch.log_softmax(zb.float(), -1)).sum(-1)
-    (ref * w).sum().backward()
-    assert ce.dtype == torch.float32 and za.grad.dtype == dtype
-    torch.testing.assert_close(ce, ref)
-    torch.testing.assert_close(za.grad, zb.grad)
-    assert torch.equal(top, z0.float().argmax(-1)) and top[4] == 2
+    x0 = torch.randn(M, H, generator=g).to(dtype)
+    w0 = torch.randn(N, H, generator=g).to(dtype)
+    w0[7] = w0[2]  # a tie at row 4's maximum: the first index wins, as argmax
+    x0[4] = w0[2] * 2
+    wt = torch.rand(M, generator=g)
+    wt[5] = 0
+    xa, wa = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    ce, top, best = ttt.head_soft_cross_entropy(xa, wa, probs, rows, chunk=chunk, topk=3)
+    (ce * wt).sum().backward()
+    xb, wb = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    z = (xb @ wb.T).float()
+    ref = -(probs[rows] * torch.log_softmax(z, -1)).sum(-1)
+    (ref * wt).sum().backward()
+    assert ce.dtype == torch.float32 and xa.grad.dtype == wa.grad.dtype == dtype
+    # the loss runs in fp32 whatever the inputs' dtype, so float64 agrees to fp32 precision
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1.3e-6, "atol": 1e-5}
+    torch.testing.assert_close(ce, ref, **tol)
+    torch.testing.assert_close(xa.grad, xb.grad, **tol)
+    torch.testing.assert_close(wa.grad, wb.grad, **tol)
+    assert torch.equal(top, z.argmax(-1)) and top[4] == 2
+    assert torch.equal(best, z.topk(3, -1).indices)
     with torch.no_grad():  # evaluation: no gradient factor kept
-        ce2, top2 = ttt.soft_cross_entropy(z0, probs, rows, chunk=chunk)
+        ce2, top2, _ = ttt.head_soft_cross_entropy(x0, w0, probs, rows, chunk=chunk)
     assert torch.equal(ce2, ce.detach()) and torch.equal(top2, top)
-    empty, etop = ttt.soft_cross_entropy(z0[:0], probs, rows[:0], chunk=chunk)
+    empty, etop, _ = ttt.head_soft_cross_entropy(x0[:0], w0, probs, rows[:0], chunk=chunk)
     assert empty.shape == etop.shape == (0,)
 
 
-def test_soft_cross_entropy_backward_runs_once():
+def test_row_max_equals_max_with_first_index():
+    """Block maxima give torch.max's values and first-index ties, across and within blocks."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(6, 1024, generator=g)
+    z[0, 5] = z[0, 900] = 9  # tie across blocks
+    z[1, 300] = z[1, 301] = 9  # tie within a block
+    z[2] = 0  # all equal
+    z[3, 1023] = 9  # last column
+    for x in (z, z.bfloat16(), z[:, :1000]):  # 1000 columns: not a whole number of blocks
+        mx, at = ttt.row_max(x)
+        ref = x.max(-1)
+        assert torch.equal(mx, ref.values) and torch.equal(at, ref.indices)
+    assert ttt.row_max(z)[1][:4].tolist() == [5, 300, 0, 1023]
+
+
+def test_head_soft_cross_entropy_under_autocast():
+    """Under bf16 autocast the head's product runs in bf16 (as F.linear would) and gradients
+    come back in the inputs' fp32."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 8, generator=g, requires_grad=True)
+    w = torch.randn(5, 8, generator=g, requires_grad=True)
+    probs = torch.softmax(torch.randn(9, 5, generator=g), -1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ce, top, _ = ttt.head_soft_cross_entropy(x, w, probs, torch.arange(9))
+        z = torch.nn.functional.linear(x, w)
+    assert z.dtype == torch.bfloat16
+    ref = -(probs * torch.log_softmax(z.float(), -1)).sum(-1)
+    torch.testing.assert_close(ce, ref)
+    assert torch.equal(top, z.float().argmax(-1))
+    ce.sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+
+
+def test_head_soft_cross_entropy_backward_runs_once():
     """fp32 backward scales the kept gradient in place: a second backward must fail, not reuse it."""
-    z = torch.randn(4, 5, requires_grad=True)
-    ce, _ = ttt.soft_cross_entropy(z, torch.softmax(torch.randn(4, 5), -1), torch.arange(4))
+    x = torch.randn(4, 3, requires_grad=True)
+    ce, _, _ = ttt.head_soft_cross_entropy(x, torch.randn(5, 3), torch.softmax(torch.randn(4, 5), -1), torch.arange(4))
     ce.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         ce.sum().backward()

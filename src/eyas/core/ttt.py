@@ -197,7 +197,7 @@ def _full_argmax(s: torch.Tensor, draft_logits: torch.Tensor, w_rest: torch.Tens
                  rest_ids: torch.Tensor) -> torch.Tensor:
     """Target id of the largest of the draft logits (rows' products with the draft rows, fp32)
     and the products of `s` with the other rows `w_rest`; ties go to the lower target id."""
-    best, at = draft_logits.max(-1)
+    best, at = row_max(draft_logits)
     top = target_ids[at]  # target_ids ascending: the first maximum is the lowest id
     if rest_ids.numel() == 0:
         return top
@@ -209,6 +209,19 @@ def _full_argmax(s: torch.Tensor, draft_logits: torch.Tensor, w_rest: torch.Tens
         tie = value == best[rows]
         top[rows] = torch.where(tie, torch.minimum(top[rows], rid), rid)
     return top
+
+
+def row_max(z: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """`z.max(-1)` of a 2-d `z` (values, first index of each row's maximum) through block
+    maxima: on a CPU `amax` is vectorised and max-with-index is not (256 x 8192 fp32: 0.64 ms
+    instead of 2.9). The first block holding the maximum, then its first index: argmax's ties."""
+    R, N = z.shape
+    if N % block or N < 2 * block:
+        return z.max(-1)
+    zb = z.view(R, N // block, block)
+    mx, at = zb.amax(-1).max(-1)
+    inner = zb[torch.arange(R, device=z.device), at].argmax(-1)
+    return mx, at * block + inner
 
 
 # ---------------------------------------------------------------- unrolled loss + metrics
@@ -226,60 +239,84 @@ class StepStats:
     chain_n: torch.Tensor  # (K,) supervised at steps 0..i and right at all earlier steps
 
 
-class SoftCrossEntropy(torch.autograd.Function):
-    """Soft cross-entropy against target rows, and the argmax, computed row chunk by row chunk.
+class HeadSoftCrossEntropy(torch.autograd.Function):
+    """The draft head's product and the soft cross-entropy against target rows, with the argmax
+    (and optionally the top-k), computed row chunk by row chunk.
 
-    `ce[m] = -sum_n probs[rows[m], n] * log_softmax(logits[m])[n]`, written as
+    `ce[m] = -sum_n probs[rows[m], n] * log_softmax(x[m] @ w.T)[n]`, written as
     `lse(z) * sum(p) - p . z`, with gradient `(softmax(z) * sum(p) - p) * g`: the same function as
-    the log_softmax form (DESIGN 6), in fp32 whatever the logits' dtype (as `.float()` was).
-    On a CPU the loss's passes over the (M, N) logits are memory-bound and cost as much as the
-    head's matmuls, so each chunk of `chunk` rows makes its few passes while in cache, gathers
-    its target rows itself (no (M, N) copy of them), and leaves the gradient's (M, N) factor
-    computed (fp32): backward is one multiply. Returns (ce (M,) fp32, argmax (M,) long).
+    the log_softmax form (DESIGN 6), the product in the inputs' dtype (as `F.linear` under
+    autocast), the loss in fp32 (as `.float()` was). On a CPU the loss's passes over the (M, N)
+    logits are memory-bound and cost as much as the head's matmuls, so each chunk of `chunk`
+    rows makes its few passes while in cache, gathers its target rows itself (no (M, N) copy of
+    them), and keeps the gradient's (M, N) factor (fp32). Backward scales that factor and takes
+    the input's gradient chunk by chunk too: on a CPU (oneDNN, bf16) one (M, N) x (N, H) product
+    with M in the hundreds runs at half the speed of the same rows in chunks of 256.
+    Returns (ce (M,) fp32, argmax (M,) long, top-k indices (M, topk) long).
     """
 
     @staticmethod
-    def forward(ctx, logits, probs, rows, chunk):
-        with torch.autocast(logits.device.type, enabled=False):  # fp32 throughout, as documented
-            M, want_grad = logits.shape[0], ctx.needs_input_grad[0]
-            ce = torch.empty(M, dtype=torch.float32, device=logits.device)
-            top = torch.empty(M, dtype=torch.long, device=logits.device)
-            dz = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if want_grad else None
-            for a in range(0, M, chunk):
-                b = min(M, a + chunk)
-                z = logits[a:b].to(torch.float32, copy=True)
-                p = probs.index_select(0, rows[a:b])
-                psum, dot = p.sum(-1), torch.linalg.vecdot(p, z)
-                mx, top[a:b] = z.max(-1)
-                sumexp = z.sub_(mx[:, None]).exp_().sum(-1)
-                ce[a:b] = (mx + sumexp.log()) * psum - dot
-                if want_grad:
-                    torch.sub(z.mul_((psum / sumexp)[:, None]), p, out=dz[a:b])
-        ctx.save_for_backward(dz)
-        ctx.mark_non_differentiable(top)
-        ctx.dtype = logits.dtype
-        return ce, top
+    def forward(ctx, x, w, probs, rows, chunk, topk):
+        M, N = x.shape[0], w.shape[0]
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ce = torch.empty(M, dtype=torch.float32, device=x.device)
+        top = torch.empty(M, dtype=torch.long, device=x.device)
+        best = torch.empty(M, topk, dtype=torch.long, device=x.device)
+        dz = torch.empty(M, N, dtype=torch.float32, device=x.device) if want_grad else None
+        for a in range(0, M, chunk):
+            b = min(M, a + chunk)
+            z = (x[a:b] @ w.T).to(torch.float32)
+            if topk:
+                best[a:b] = z.topk(topk, dim=-1).indices
+            p = probs.index_select(0, rows[a:b])
+            psum, dot = p.sum(-1), torch.linalg.vecdot(p, z)
+            mx, top[a:b] = row_max(z)
+            sumexp = z.sub_(mx[:, None]).exp_().sum(-1)
+            ce[a:b] = (mx + sumexp.log()) * psum - dot
+            if want_grad:
+                torch.sub(z.mul_((psum / sumexp)[:, None]), p, out=dz[a:b])
+        ctx.save_for_backward(x, w, dz)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(top, best)
+        return ce, top, best
 
     @staticmethod
-    def backward(ctx, g, _):
-        (dz,) = ctx.saved_tensors
-        if ctx.dtype == torch.float32:  # in place: no fresh (M, N) buffer to fault in (a second
-            # backward through a retained graph then fails autograd's saved-tensor version check)
-            return dz.mul_(g[:, None]), None, None, None
-        return torch.mul(dz, g[:, None], out=torch.empty(dz.shape, dtype=ctx.dtype, device=dz.device)), None, None, None
+    def backward(ctx, g, _, __):
+        x, w, dz = ctx.saved_tensors
+        # in place when fp32: no fresh (M, N) buffer to fault in (a second backward through a
+        # retained graph then fails autograd's saved-tensor version check)
+        d = dz if x.dtype == torch.float32 else torch.empty(dz.shape, dtype=x.dtype, device=dz.device)
+        dx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        for a in range(0, dz.shape[0], ctx.chunk):
+            b = min(dz.shape[0], a + ctx.chunk)
+            torch.mul(dz[a:b], g[a:b, None], out=d[a:b])
+            if dx is not None:
+                torch.mm(d[a:b], w, out=dx[a:b])
+        dw = d.T @ x if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None
 
 
-# rows per chunk of SoftCrossEntropy: on a CPU 256 x 8192 fp32 = 8 MB stays in cache; on a GPU
+# rows per chunk of HeadSoftCrossEntropy: on a CPU 256 x 8192 fp32 = 8 MB stays in cache; on a GPU
 # the cache argument does not apply and each chunk costs kernel launches, so chunks are large there
 LOSS_CHUNK = {"cpu": 256, "other": 8192}
 
 
-def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
-                       chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, N) drafter logits vs target rows `probs[rows]` -> (soft CE (M,), argmax (M,))."""
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `t` runs in here: autocast's when it is on, else `t`'s own."""
+    dev = t.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else t.dtype
+
+
+def head_soft_cross_entropy(x: torch.Tensor, w: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor,
+                            chunk: int | None = None, topk: int = 0) -> tuple[torch.Tensor, ...]:
+    """Normed drafter states x (M, H) through the head `w` (N, H) vs target rows `probs[rows]`
+    -> (soft CE (M,), argmax (M,), top-k (M, topk)). Under autocast both are cast to its dtype
+    (pass `w` already cast to cast it once for several calls)."""
     if chunk is None:
-        chunk = LOSS_CHUNK["cpu" if logits.device.type == "cpu" else "other"]
-    return SoftCrossEntropy.apply(logits, probs, rows, chunk)
+        chunk = LOSS_CHUNK["cpu" if x.device.type == "cpu" else "other"]
+    dt = compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return HeadSoftCrossEntropy.apply(x.to(dt), w.to(dt), probs, rows, chunk, topk)
 
 
 def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: TargetTable, steps: int,
@@ -296,6 +333,7 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
     """
     denom = table.step_counts(steps) if denom is None else denom
     h = drafter.fuse(aux)  # (B, T, H)
+    head = drafter.lm_head.weight.to(compute_dtype(h))  # cast once for all steps, as autocast's cache would
     attend = TTTAttention()
     B, T = input_ids.shape
     chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
@@ -308,12 +346,12 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
         rows = table.step_rows(i)
         valid = rows >= 0  # (B, T)
         r = rows[valid]
-        logits = drafter.logits(out[valid])  # (M_i, N)
         iv = table.in_vocab[r] & aligned[valid] if align_topk > 0 else table.in_vocab[r]
-        ce, top1 = soft_cross_entropy(logits, table.probs, r)  # (M_i,) each
+        k = min(align_topk, head.shape[0]) if i + 1 < steps else 0
+        ce, top1, topk = head_soft_cross_entropy(drafter.norm(out[valid]), head, table.probs, r, topk=k)  # (M_i,)
         ce_sum = ce[iv].sum()
-        if align_topk > 0 and i + 1 < steps:
-            top = drafter.draft_to_target(logits.detach().float().topk(min(align_topk, logits.shape[-1]), dim=-1).indices)
+        if k > 0:
+            top = drafter.draft_to_target(topk)
             hit = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
             hit[valid] = (top == shift_left(input_ids, 2 + i)[valid][:, None]).any(-1)
             aligned = aligned & hit
