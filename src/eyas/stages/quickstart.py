@@ -97,9 +97,17 @@ PLANS = {
     # 2.187 in 21.4 min (about 10% fewer tokens/s); 2048 for 7 epochs, 560 steps, 2.176 in 25.0 min.
     # The whole quickstart with it (and the bench's bf16 cutoff 0.05), fresh: 21.8 min (data 4.5, capture
     # 1.2, train 13.6 for 797 steps, bench 2.5), val 2.096, own bench tree 1.61x plain bf16.
+    # 2026-12-02, to bring the default under 20 minutes on middling hours: TTT 4 instead of 5 (training
+    # about 15% shorter; its steps 1.06x faster since that day's head + loss change) against 4 epochs
+    # instead of 5 (about 20% shorter), both on that run's capture, one thread each, served in one process
+    # (tree 4,5,16 at the bench's 0.05 cutoff; 20 MT-bench + MBPP / the 10 held-out built-in prompts):
+    # TTT 5 x 5 epochs acceptance 1.86 / 2.26, TTT 4 x 5 epochs 1.84 / 2.16, TTT 5 x 4 epochs 1.78 / 2.09.
+    # Fresh quickstart with TTT 4, same day: 20.2 min (data 4.9 at 349 tok/s, capture 1.4, train 11.2 for 797
+    # steps at 963 tok/s, bench 2.7 of which 0.7 for transformers' generate(), since dropped from its
+    # baselines); val acc_0 0.509; own bench tree 1.58x plain bf16 (acceptance 2.14), chain 1.44x (1.86).
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
-                  train_epochs=5, train_max_steps=1600, ttt=5, batch_tokens=1024, bench_prompts=10,
-                  bench_new_tokens=64, minutes=(0.2, 6.3, 0.1, 1.6, 12.8, 2.6), fp32_cpu=FP32_CPU_SMALL),
+                  train_epochs=5, train_max_steps=1600, ttt=4, batch_tokens=1024, bench_prompts=10,
+                  bench_new_tokens=64, minutes=(0.2, 6.3, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL),
     # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
     # eyas/data/PUBLIC_PROMPTS.md), all answered by the target, 3 epochs in one cosine schedule at
     # 4096-token batches. Measured: 78.7 min (data 31.5, capture 7.0, train 36.1 for 741 steps, bench
@@ -149,8 +157,11 @@ ARGV: dict[str, list[str]] = {
               "--aux-gain", "rms", "--out", "{out}", "--force"],  # explicit: runs trained before it are not reused
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
-              "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--device", "{device}", "--dtype", "{dtype}",
-              "--out", "{out}", "--force"],  # the cutoff explicit: a changed default reruns the stage
+              "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--baselines", "plain,pld",
+              "--device", "{device}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
+    # the cutoff explicit: a changed default reruns the stage. Baselines plain and prompt lookup only:
+    # transformers' generate() (`eyas bench`'s third default) took 40 of the small plan's 163 bench seconds
+    # (2026-12-02) and is never the fastest plain decoding here (0.88-0.92x eyas's plain loop)
 }
 
 
