@@ -286,9 +286,32 @@ def test_self_prompts_are_written_by_the_target_answered_and_resumable(tiny_targ
     assert not (tmp_path / "run.self.partial").exists() and not (tmp_path / "run.partial").exists()
 
 
-def test_gqa_attention_equals_eager():
-    """The broadcast grouped-query attention used for batched decoding equals transformers'
-    eager attention (which copies each KV head to its query heads), with a padding mask."""
+def test_plan_batches_bounds_rows_and_padded_tokens():
+    """Regeneration batches: by length, at most batch_size rows, rows x longest prompt within
+    batch_size x row_tokens (a prompt longer than that alone), every prompt exactly once."""
+    from eyas.regenerate import plan_batches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 90, (300,), generator=g).tolist() + [300, 150, 2000, 700, 120]
+    batches = plan_batches(lengths, batch_size=16, row_tokens=64)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert [lengths[i] for i in flat] == sorted(lengths)
+    for b in batches:
+        assert len(b) <= 16
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 16 * 64
+    assert [len(b) for b in batches][-2:] == [1, 1]  # 700 and 2000 tokens: alone
+    short = [b for b in batches if max(lengths[i] for i in b) <= 64]
+    assert len(short) >= 10 and all(len(b) == 16 for b in short[:-1])  # short prompts fill whole batches
+    assert plan_batches([10, 30, 20], batch_size=2) == [[0, 2], [1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_equals_eager(dtype):
+    """The grouped-query attention used for batched decoding equals transformers' eager
+    attention (which copies each KV head to its query heads) computed in fp64, with a padding
+    mask, on keys and values that are views of a longer buffer as the decoding cache hands
+    them over (fp32: broadcast matmul; bf16: SDPA's grouped kernel, to bf16 rounding)."""
     from types import SimpleNamespace
 
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -297,13 +320,15 @@ def test_gqa_attention_equals_eager():
 
     g = torch.Generator().manual_seed(0)
     B, H, kvh, T, S, D = 3, 6, 2, 2, 11, 8
-    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((H, T), (kvh, S), (kvh, S)))
-    mask = torch.zeros(B, 1, T, S)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = (torch.randn(B, kvh, S + 5, D, generator=g)[:, :, :S] for _ in range(2))
+    mask = torch.zeros(B, 1, T, S + 5)  # longer than the cache: only its first S columns count
     mask[0, :, :, :4] = torch.finfo(torch.float32).min  # left padding of row 0
     mod = SimpleNamespace(num_key_value_groups=H // kvh, training=False)
-    want, _ = eager_attention_forward(mod, q, k, v, mask, scaling=0.3)
-    got, _ = gqa_attention(mod, q, k, v, mask, scaling=0.3)
-    assert torch.allclose(got, want, atol=1e-6)
+    want, _ = eager_attention_forward(mod, q.double(), k.double(), v.double(), mask[..., :S].double(), scaling=0.3)
+    got, _ = gqa_attention(mod, q.to(dtype), k.to(dtype), v.to(dtype), mask.to(dtype), scaling=0.3)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.allclose(got.double(), want, atol=1e-6 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("kind", KINDS + ("gpt_oss", "deepseek_v3"))

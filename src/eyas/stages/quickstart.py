@@ -105,9 +105,11 @@ PLANS = {
     # Fresh quickstart with TTT 4, same day: 20.2 min (data 4.9 at 349 tok/s, capture 1.4, train 11.2 for 797
     # steps at 963 tok/s, bench 2.7 of which 0.7 for transformers' generate(), since dropped from its
     # baselines); val acc_0 0.509; own bench tree 1.58x plain bf16 (acceptance 2.14), chain 1.44x (1.86).
+    # Its data stage with bf16 decoding attention through SDPA (regenerate.gqa_attention), same hour,
+    # one after the other: 6.0 -> 4.6 min (regeneration 286 -> 375 tok/s); the ETA scales 6.3 by that.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=1600, ttt=4, batch_tokens=1024, bench_prompts=10,
-                  bench_new_tokens=64, minutes=(0.2, 6.3, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL),
+                  bench_new_tokens=64, minutes=(0.2, 4.8, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL),
     # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
     # eyas/data/PUBLIC_PROMPTS.md), all answered by the target, 3 epochs in one cosine schedule at
     # 4096-token batches. Measured: 78.7 min (data 31.5, capture 7.0, train 36.1 for 741 steps, bench
