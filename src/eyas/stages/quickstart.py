@@ -131,9 +131,11 @@ PLANS = {
     # 0.626 vs 0.602; level until a quarter of training, the lead grows after); `eyas bench` on MT-bench +
     # MBPP (bf16, tree 4,5,16, cutoff 0.05): acceptance tree 2.39 vs 2.27, chain 1.97 vs 1.92; speedup
     # over plain 1.76x both in separate runs, 1.88x vs 1.72x paired prompt by prompt in one process.
+    # Data ETA 24 min: 31.5 less the ~8 min the SDPA decoding attention and bounded batches saved on its
+    # last two regeneration batches (721 -> 247 s, same day); the whole stage not rerun.
     "medium": Plan(prompts=4000, answer_tokens=192, eval_fraction=0.04, max_len=1024, draft_vocab=8192,
                    train_epochs=3, train_max_steps=5000, ttt=5, batch_tokens=1024, bench_prompts=20,
-                   bench_new_tokens=128, minutes=(0.2, 31.5, 0.1, 7, 32, 4.2), inputs=("builtin-public", "builtin"),
+                   bench_new_tokens=128, minutes=(0.2, 24, 0.1, 7, 32, 4.2), inputs=("builtin-public", "builtin"),
                    tree="6,6,24"),
     "large": Plan(prompts=4000, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
                   train_epochs=6, train_max_steps=10000, ttt=7, batch_tokens=8192, bench_prompts=40,
