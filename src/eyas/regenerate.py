@@ -114,14 +114,19 @@ def seed_batch(settings: GenSettings, b: int) -> None:
     torch.manual_seed(settings.seed * 1_000_003 + b)
 
 
+def prompt_ids(tokenizer, history: list[dict]) -> list[int]:
+    """Token ids the target is prompted with for the next assistant turn of `history`."""
+    text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenSettings,
                    stop_ids: list[int], tick: Callable[[int], None] | None = None) -> tuple[list[str], int]:
     """One generation step for a batch of conversations ending in a user turn.
 
     Returns the decoded answers (up to the first stop token) and the number of new tokens.
     """
-    texts = [tokenizer.apply_chat_template(h, tokenize=False, add_generation_prompt=True) for h in histories]
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompts = [prompt_ids(tokenizer, h) for h in histories]
     rows = decode_batch(model, prompts, settings.max_new_tokens, stop_ids, settings.temperature, tick)
     answers = [tokenizer.decode([t for t in row if t not in stop_ids], skip_special_tokens=True) for row in rows]
     return answers, sum(len(row) for row in rows)
@@ -320,8 +325,7 @@ def opening_tokens(tokenizer, conv: Conversation) -> int:
     first = next((k for k, t in enumerate(turns) if t["role"] == "user"), None)
     if first is None:
         return 0
-    text = tokenizer.apply_chat_template(turns[:first + 1], tokenize=False, add_generation_prompt=True)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return len(prompt_ids(tokenizer, turns[:first + 1]))
 
 
 def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSettings, work_dir: Path,
