@@ -7,7 +7,7 @@ the 2-core development VM, 4.7M page faults and 11 s of kernel time in 30 bf16 t
 With the thresholds raised, freed memory stays in the heap and the next step reuses it:
 0.66M faults, 2.4 s, 7-9% less wall time over those 30 first-epoch steps (later epochs: no
 change measurable on that VM); peak RSS 3-5% higher over 30 steps, 1% lower over 200
-(README, "Measured"). Where the user chose an allocator or glibc settings, those stand.
+(`bench/RESULTS.md`). Where the user chose an allocator or glibc settings, those stand.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ weight matrix. With the plain row-major weight, PyTorch's CPU GEMM for more than
 repacks the weight on every call: on a 2-core AVX2 EPYC a SmolLM2-135M forward of 2 tokens
 cost 1.9x one of 1 token, and 6 tokens 2.2x, so verifying drafts was never cheap in fp32.
 With the weights reordered once into oneDNN's blocked layout, 1.2x for both (and 0.9x for
-1 token) of the unpacked 1-token forward (`bench/bench_prepack.py`, README). Inductor's CPU
+1 token) of the unpacked 1-token forward (`bench/bench_prepack.py`, `bench/RESULTS.md`). Inductor's CPU
 "freezing" and IPEX do the same.
 
 Only the forward changes: the module keeps its `weight` Parameter (state dicts, tied

@@ -64,7 +64,7 @@ class Plan:
 # 122 steps, acc_0 0.29, simulated acceptance 1.41 (bench: chain 0.88x, tree 0.84x plain);
 # 1024, 3 epochs, TTT 5: 240 steps, 0.35 / 1.60; 1024, 5 epochs, TTT 3: 400 steps, 0.43 / 1.76;
 # 512, 5 epochs, TTT 3: 855 steps in 434 s, 0.44 / 1.80 (this plan).
-# Tried on this plan since, none better on MT-bench + MBPP (README, "data and training choices"): 46k
+# Tried on this plan since, none better on MT-bench + MBPP (`bench/RESULTS.md`, "data and training choices"): 46k
 # tokens of answers not written by the target, half real public prompts, TTT 2 x 7 epochs, 256-token
 # batches, weight decay 0.1, learning rate 5e-4 or 2e-3 instead of 1e-3.
 FP32_CPU_SMALL = Plan(prompts=360, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=4096,
@@ -122,7 +122,7 @@ PLANS = {
     # acceptance; it is not the faster one for this drafter (MT-bench + MBPP: 1.24x vs 1.34x at 4,5,16).
     # 2048-token batches instead of 4096 (same data, same 3 epochs, 1,432 steps instead of 738):
     # training 30 min instead of 36 (1,360 vs 1,130 tok/s), val simulated acceptance 2.31 vs 2.21,
-    # MT-bench + MBPP tree 4,5,16 2.34 vs 2.30, chain 1.84 vs 1.78 (bench/ numbers in README).
+    # MT-bench + MBPP tree 4,5,16 2.34 vs 2.30, chain 1.84 vs 1.78 (`bench/RESULTS.md`).
     # With --aux-gain rms (2026-11-30, data/vocab/capture reused): train 31.8 min, val simulated
     # acceptance 2.54 (acc_0 0.59); its own bench tree 6,6,24 2.70 (1.35x); MT-bench + MBPP tree
     # 4,5,16 2.53 (1.52x plain bf16), chain 1.89 (1.35x), prompt lookup 1.23x. In all about 75 min.
