@@ -126,11 +126,35 @@ def test_limit_spreads_over_categories_in_file_order():
     assert spread(items, None) == items and spread(items, 50) == items
 
 
+def test_repeats_keep_the_median_run_and_rotate_the_order(monkeypatch):
+    from eyas import runtime
+
+    walls = iter([9.0, 9.0,  # warm-up, one per method
+                  5.0, 1.0, 3.0, 2.0, 100.0, 4.0,  # prompt 0: repeat 0 plain, chain; 1 chain, plain; 2 plain, chain
+                  1.0, 1.0, 1.0, 1.0, 1.0, 1.0,  # prompt 1
+                  1.0, 1.0])  # the repeats-1 call: warm-up, one run
+    calls = []
+
+    def fake(method, model, tr, dr, prompt, s, device):
+        calls.append(method)
+        return {"tokens": [1, 2], "wall_s": next(walls), "target_s": 0.0, "drafter_s": 0.0, "accepted": [1]}
+
+    monkeypatch.setattr(bench, "run_one", fake)
+    prompts = [{"ids": torch.tensor([1])}, {"ids": torch.tensor([2])}]
+    res = bench.bench_loop(["plain", "chain"], None, None, None, prompts, runtime.DecodeSettings(), "cpu", repeats=3)
+    assert calls[2:8] == ["plain", "chain", "chain", "plain", "plain", "chain"]
+    assert res["plain"][0]["wall_s"] == 5.0 and res["plain"][0]["wall_s_runs"] == [5.0, 2.0, 100.0]
+    assert res["chain"][0]["wall_s"] == 3.0 and res["chain"][0]["wall_s_runs"] == [1.0, 3.0, 4.0]
+    assert len(res["plain"]) == len(res["chain"]) == 2
+    one = bench.bench_loop(["plain"], None, None, None, prompts[:1], runtime.DecodeSettings(), "cpu")
+    assert "wall_s_runs" not in one["plain"][0]  # repeats 1: every run kept as it was
+
+
 @pytest.mark.parametrize("flags,needle", [
     (("--k", "0"), "--k 0"), (("--max-new-tokens", "-4"), "--max-new-tokens -4"), (("--threads", "-2"), "--threads"),
     (("--limit", "0"), "--limit 0"), (("--temperature", "nan"), "--temperature nan"),
     (("--temperature", "-1"), "--temperature"), (("--temperature", "0.7", "--top-p", "0"), "--top-p"),
-    (("--top-p", "2"), "--top-p"), (("--max-new-tokens", "100000"), "positions"),
+    (("--top-p", "2"), "--top-p"), (("--max-new-tokens", "100000"), "positions"), (("--repeats", "0"), "--repeats 0"),
 ])
 def test_bench_refuses_numbers_it_cannot_run(eyas_cli, tiny_target, prompt_file, tmp_path, flags, needle):
     code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--baselines", "plain",

@@ -87,6 +87,9 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's). On a shared CPU, 1 avoids "
                    "OpenMP stalls that slow multi-token forwards by 10-100x")
     p.add_argument("--limit", type=int, help="use N prompts, taken round-robin across categories in file order")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every method R times per prompt (the order rotated each time) and keep the run of "
+                   "median wall time: a stall of a shared or noisy machine then moves no figure (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--out", default="bench-report", help="report directory (default ./bench-report)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -225,7 +228,8 @@ def method_list(args, has_drafter: bool) -> list[str]:
 def check_args(args) -> None:
     """Numbers bench cannot run with: exit 2 before the target loads."""
     for flag, v in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit),
-                    ("--threads", args.threads), ("--max-prompt-tokens", args.max_prompt_tokens)):
+                    ("--threads", args.threads), ("--max-prompt-tokens", args.max_prompt_tokens),
+                    ("--repeats", args.repeats)):
         if v is not None and v < 1:
             raise EyasError(f"{flag} {v}: must be a positive integer")
     if not 0 <= args.temperature < math.inf:
@@ -274,7 +278,7 @@ def run(args) -> int:
                                top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model, tok),
                                seed=args.seed)
     tr, dr = runtime.runners(model, loaded, runtime.Timer(device))
-    results = bench_loop(methods, model, tr, dr, prompts, s, device)
+    results = bench_loop(methods, model, tr, dr, prompts, s, device, args.repeats)
     report = build_report(args, methods, prompts, results, s, loaded, tdir)
     report["summary"]["prepacked_linears"] = packed
     report["summary"]["drafter_weights"] = drafter_weights or (str(model.dtype).removeprefix("torch.") if loaded else None)
@@ -294,8 +298,12 @@ def run(args) -> int:
     return 0
 
 
-def bench_loop(methods, model, tr, dr, prompts, s, device) -> dict[str, list[dict]]:
-    """Every method on every prompt, interleaved prompt by prompt (same machine state)."""
+def bench_loop(methods, model, tr, dr, prompts, s, device, repeats: int = 1) -> dict[str, list[dict]]:
+    """Every method on every prompt, interleaved prompt by prompt (same machine state). With
+    repeats R > 1 each prompt runs every method R times, the method order rotated by one each
+    time, and keeps each method's run of median wall time (the lower middle one for even R; its
+    walls in `wall_s_runs`): one stall of the machine then lands in a discarded run. Every run is
+    seeded alike (`s.seed`), so repeats decode the same tokens."""
     from tqdm import tqdm
 
     from eyas import runtime
@@ -306,8 +314,13 @@ def bench_loop(methods, model, tr, dr, prompts, s, device) -> dict[str, list[dic
     results: dict[str, list[dict]] = {m: [] for m in methods}
     bar = tqdm(prompts, desc="bench", unit="prompt")
     for p in bar:
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for r in range(repeats):
+            for m in methods[r % len(methods):] + methods[:r % len(methods)]:
+                runs[m].append(run_one(m, model, tr, dr, p["ids"], s, device))
         for m in methods:
-            results[m].append(run_one(m, model, tr, dr, p["ids"], s, device))
+            kept = sorted(runs[m], key=lambda x: x["wall_s"])[(repeats - 1) // 2]
+            results[m].append(kept | ({"wall_s_runs": [x["wall_s"] for x in runs[m]]} if repeats > 1 else {}))
         done = {m: sum(len(r["tokens"]) for r in results[m]) / max(1e-9, sum(r["wall_s"] for r in results[m]))
                 for m in methods}
         bar.set_postfix({m: f"{v:.1f}t/s" for m, v in done.items()})
@@ -367,7 +380,7 @@ def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
         "target": str(tdir), "drafter": args.drafter, "engine": args.engine, "dtype": args.dtype,
         "device": args.device, "prompts": len(prompts), "max_new_tokens": s.max_new_tokens,
         "temperature": s.temperature, "top_p": s.top_p, "k": s.k, "tree": list(s.tree),
-        "draft_cutoff": s.cutoff,
+        "draft_cutoff": s.cutoff, "repeats": args.repeats,
         "plain_tokens_per_s": base,
         "methods": {m: {k: v for k, v in per[m].items()} for m in methods},
         "mismatches_vs_plain": mism if greedy else None,
@@ -452,6 +465,8 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
 def write_report(out: Path, report: dict, results, prompts, tok) -> None:
     per_prompt = [{"id": p["id"], "category": p["category"], "prompt_tokens": int(p["ids"].shape[0]),
                    **{m: {"tokens": len(results[m][i]["tokens"]), "wall_s": round(results[m][i]["wall_s"], 4),
+                          **({"wall_s_runs": [round(w, 4) for w in results[m][i]["wall_s_runs"]]}
+                             if "wall_s_runs" in results[m][i] else {}),
                           **({"acceptance_length": sum(a + 1 for a in results[m][i]["accepted"])
                               / len(results[m][i]["accepted"])} if results[m][i]["accepted"] else {})}
                       for m in results}}
@@ -473,6 +488,8 @@ def markdown(report: dict) -> str:
                 if s.get("draft_cutoff") else "")
              + f"{s.get('prepacked_linears', 0)} linear layers prepacked (`--no-prepack`: 0)"
              + (", the drafter's in fp16 (fbgemm; the target verifies every draft)" if s.get("drafter_weights") == "fp16"
+                else "")
+             + (f", each method run {s['repeats']} times per prompt, the median-wall run kept" if s.get("repeats", 1) > 1
                 else "") + "\n",
              "| method | tok/s | speedup vs plain | acceptance length | step cost (target + drafter) | target | "
              "drafter | overhead |",
