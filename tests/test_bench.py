@@ -17,19 +17,23 @@ from eyas.formats.checkpoint import save_checkpoint
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def drafter_dir(tiny_target, tmp_path_factory):
-    model, _ = targets.load(tiny_target)
+def make_drafter(target_dir, out, seed: int = 0):
+    """A random drafter over 64 random draft ids of the tiny target."""
+    model, _ = targets.load(target_dir)
     tcfg = model.config
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     ids = torch.randperm(tcfg.vocab_size)[:64].sort().values
     d = Eagle3Drafter(DrafterConfig.from_target(tcfg, 64, targets.default_aux_layers(tcfg.num_hidden_layers)))
     d.d2t.copy_(ids - torch.arange(64))
     d.t2d.zero_()
     d.t2d[ids] = True
-    out = tmp_path_factory.mktemp("ckpt") / "drafter"
     save_checkpoint(out, d, {"test": True})
     return out
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target, tmp_path_factory):
+    return make_drafter(tiny_target, tmp_path_factory.mktemp("ckpt") / "drafter")
 
 
 @pytest.fixture
@@ -118,6 +122,32 @@ def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir,
     assert s["methods"]["chain"]["tokens"] > 0 and s["methods"]["tree"]["tokens"] > 0
 
 
+def test_bench_runs_several_drafters_side_by_side(eyas_cli, tiny_target, drafter_dir, prompt_file, tmp_path):
+    from test_doctor import train_tiny_drafter
+
+    other = tmp_path / "run2" / "final"  # a trained drafter beside a random one: they must not mix
+    save_checkpoint(other, train_tiny_drafter(tiny_target)[0], {"test": True})
+    flags = ("--max-new-tokens", "10", "--k", "3", "--tree", "2,3,6", "--limit", "2", "--baselines", "plain", "--json")
+    code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, other,
+                                 "--prompts", prompt_file, "--out", tmp_path / "both", *flags)
+    assert code == 0, err
+    both = json.loads(stdout)
+    assert list(both["methods"]) == ["plain", "chain@drafter", "tree@drafter", "chain@run2", "tree@run2"]
+    assert both["drafters"] == {"drafter": str(drafter_dir), "run2": str(other)} and both["greedy_mismatches"] == 0
+    assert set(both["first_draft_gap"]) == {"chain@drafter", "tree@drafter", "chain@run2", "tree@run2"}
+    md = (tmp_path / "both" / "report.md").read_text()
+    assert f"run2 = `{other}`" in md and "| tree@run2 |" in md
+    for name, path in both["drafters"].items():  # each pair runs exactly as that drafter alone (fp32: same steps)
+        code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", path, "--prompts", prompt_file,
+                                     "--out", tmp_path / f"alone_{name}", *flags)
+        assert code == 0, err
+        alone = json.loads(stdout)
+        for m in ("chain", "tree"):
+            assert alone["methods"][m]["acceptance_by_position"] == both["methods"][f"{m}@{name}"]["acceptance_by_position"]
+            assert alone["methods"][m]["verify_steps"] == both["methods"][f"{m}@{name}"]["verify_steps"]
+    assert both["methods"]["tree@drafter"]["acceptance_by_position"] != both["methods"]["tree@run2"]["acceptance_by_position"]
+
+
 def test_limit_spreads_over_categories_in_file_order():
     from eyas.stages.bench import spread
 
@@ -141,12 +171,12 @@ def test_repeats_keep_the_median_run_and_rotate_the_order(monkeypatch):
 
     monkeypatch.setattr(bench, "run_one", fake)
     prompts = [{"ids": torch.tensor([1])}, {"ids": torch.tensor([2])}]
-    res = bench.bench_loop(["plain", "chain"], None, None, None, prompts, runtime.DecodeSettings(), "cpu", repeats=3)
+    res = bench.bench_loop(["plain", "chain"], None, {"plain": (None, None), "chain": (None, None)}, prompts, runtime.DecodeSettings(), "cpu", repeats=3)
     assert calls[2:8] == ["plain", "chain", "chain", "plain", "plain", "chain"]
     assert res["plain"][0]["wall_s"] == 5.0 and res["plain"][0]["wall_s_runs"] == [5.0, 2.0, 100.0]
     assert res["chain"][0]["wall_s"] == 3.0 and res["chain"][0]["wall_s_runs"] == [1.0, 3.0, 4.0]
     assert len(res["plain"]) == len(res["chain"]) == 2
-    one = bench.bench_loop(["plain"], None, None, None, prompts[:1], runtime.DecodeSettings(), "cpu")
+    one = bench.bench_loop(["plain"], None, {"plain": (None, None)}, prompts[:1], runtime.DecodeSettings(), "cpu")
     assert "wall_s_runs" not in one["plain"][0]  # repeats 1: every run kept as it was
 
 

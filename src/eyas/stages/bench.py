@@ -47,8 +47,10 @@ def register(sub) -> None:
                        description=__doc__.split("\n\n")[0] + " Acceptance length = mean over verification "
                        "steps of (accepted drafts + 1).")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory")
-    p.add_argument("--drafter", help="eyas drafter checkpoint (or any layout with --engine); omit to run "
-                   "the baselines only")
+    p.add_argument("--drafter", nargs="+", metavar="D",
+                   help="eyas drafter checkpoint (or any layout with --engine); omit to run the baselines only. "
+                   "Several: each runs chain/tree on the same prompts in the same run (methods named "
+                   "tree@NAME, NAME = the checkpoint's directory, its run's for RUN/final), a paired comparison")
     p.add_argument("--prompts", nargs="+", default=["builtin-eval"], metavar="FILE",
                    help="prompt files (json/jsonl/txt/parquet/arrow; first user turn, chat template applied) or "
                    "`builtin-eval` = the eval split of --data")
@@ -204,6 +206,7 @@ def run_hf(model, prompt: torch.Tensor, s: runtime.DecodeSettings, pld: bool, de
 def run_one(method: str, model, tr, dr, prompt, s: runtime.DecodeSettings, device) -> dict:
     from eyas import runtime
 
+    method = kind(method)
     if method in ("hf", "pld"):
         return run_hf(model, prompt, s, method == "pld", device)
     with torch.inference_mode():
@@ -212,7 +215,16 @@ def run_one(method: str, model, tr, dr, prompt, s: runtime.DecodeSettings, devic
             "accepted": r.accepted}
 
 
-def method_list(args, has_drafter: bool) -> list[str]:
+def drafter_names(paths: list[str]) -> list[str]:
+    """Short unique names for several --drafter paths: the checkpoint directory's name (its run's
+    for RUN/final or RUN/best), numbered where two agree."""
+    names = [(q.parent.name if q.name in ("final", "best") and q.parent.name else q.name) or str(q)
+             for q in map(Path, paths)]
+    return [n if names.count(n) == 1 else f"{n}-{i + 1}" for i, n in enumerate(names)]
+
+
+def method_list(args, names: list[str]) -> list[str]:
+    """The baselines, then chain / tree per drafter: `tree` for one drafter, `tree@NAME` for several."""
     base = [b.strip() for b in args.baselines.split(",") if b.strip()]
     bad = [b for b in base if b not in BASELINES]
     if bad:
@@ -222,7 +234,19 @@ def method_list(args, has_drafter: bool) -> list[str]:
     if bad:
         raise EyasError(f"--methods: unknown {bad}; use chain and/or tree")
     out = ["plain"] + [b for b in base if b != "plain"]
-    return out + (eyas if has_drafter else [])
+    return out + [m if len(names) == 1 else f"{m}@{n}" for n in names for m in eyas]
+
+
+def drafter_of(method: str, names: list[str]) -> str | None:
+    """The drafter name a bench method runs with (None for the baselines)."""
+    if kind(method) not in ("chain", "tree"):
+        return None
+    return method.partition("@")[2] or names[0]
+
+
+def kind(method: str) -> str:
+    """The runtime method of a bench method name: `tree@NAME` -> `tree`."""
+    return method.partition("@")[0]
 
 
 def check_args(args) -> None:
@@ -258,35 +282,44 @@ def run(args) -> int:
     if args.max_new_tokens > room:
         raise EyasError(f"--max-new-tokens {args.max_new_tokens}: the longest prompt leaves room for {max(room, 0)} "
                         f"new tokens within the target's {limit} positions; lower it (or --max-prompt-tokens)")
-    loaded = None
-    if args.drafter:
-        other = targets.trained_for_other(Path(args.drafter), tdir)
+    names = drafter_names(args.drafter or [])
+    drafters: dict[str, runtime.LoadedDrafter] = {}
+    for name, path in zip(names, args.drafter or []):
+        other = targets.trained_for_other(Path(path), tdir)
         if other:
             log.warning("%s (config or tokenizer differ); benching it anyway", other)
-        loaded = runtime.load_drafter(Path(args.drafter), model, args.engine, model.dtype, args.seed, tdir)
-    methods = method_list(args, loaded is not None)
+        drafters[name] = runtime.load_drafter(Path(path), model, args.engine, model.dtype, args.seed, tdir)
+    methods = method_list(args, names)
     packed, drafter_weights = 0, None
     if not args.no_prepack:  # every method, hf and pld included, runs on the packed target
         packed = targets.prepack_for_decoding(model)
-        if loaded:  # the target verifies every draft: fp16 drafter weights cost no exactness
+        for loaded in drafters.values():  # the target verifies every draft: fp16 drafter weights cost no exactness
             n = targets.prepack_for_decoding(loaded.drafter, weights="fp16")
-            drafter_weights = "fp16" if n else None
+            drafter_weights = "fp16" if n else drafter_weights
             packed += n or targets.prepack_for_decoding(loaded.drafter)
     cutoff = args.draft_cutoff if args.draft_cutoff is not None else default_cutoff(device, model.dtype, args.engine)
     s = runtime.DecodeSettings(k=args.k, tree=parse_tree(args.tree), cutoff=cutoff,
                                temperature=args.temperature,
                                top_p=args.top_p, max_new_tokens=args.max_new_tokens, eos_ids=eos_ids(model, tok),
                                seed=args.seed)
-    tr, dr = runtime.runners(model, loaded, runtime.Timer(device))
-    results = bench_loop(methods, model, tr, dr, prompts, s, device, args.repeats)
-    report = build_report(args, methods, prompts, results, s, loaded, tdir)
+    timer = runtime.Timer(device)
+    pairs = {n: runtime.runners(model, d, timer) for n, d in drafters.items()}  # name -> (target, drafter runner)
+    base = next(iter(pairs.values()), None) or runtime.runners(model, None, timer)
+    by_method = {m: pairs[drafter_of(m, names)] if kind(m) in ("chain", "tree") else base for m in methods}
+    results = bench_loop(methods, model, by_method, prompts, s, device, args.repeats)
+    report = build_report(args, methods, prompts, results, s, drafters, tdir)
     report["summary"]["prepacked_linears"] = packed
-    report["summary"]["drafter_weights"] = drafter_weights or (str(model.dtype).removeprefix("torch.") if loaded else None)
-    if dr is not None and s.temperature <= 0:
+    report["summary"]["drafter_weights"] = drafter_weights or \
+        (str(model.dtype).removeprefix("torch.") if drafters else None)
+    if drafters and s.temperature <= 0:
         from eyas import training
 
-        val = training.last_eval(Path(args.drafter).parent)
-        report["summary"]["first_draft_gap"] = first_draft_gap(tr, dr, prompts, results, methods, s, val)
+        gap = {}
+        for name, path in zip(names, args.drafter):
+            tr, dr = pairs[name]
+            mine = [m for m in methods if drafter_of(m, names) == name]
+            gap |= first_draft_gap(tr, dr, prompts, results, mine, s, training.last_eval(Path(path).parent))
+        report["summary"]["first_draft_gap"] = gap
     with atomic_dir(Path(args.out), args.force) as tmp:
         write_report(tmp, report, results, prompts, tok)
     report["out"] = str(Path(args.out).resolve())
@@ -298,8 +331,9 @@ def run(args) -> int:
     return 0
 
 
-def bench_loop(methods, model, tr, dr, prompts, s, device, repeats: int = 1) -> dict[str, list[dict]]:
-    """Every method on every prompt, interleaved prompt by prompt (same machine state). With
+def bench_loop(methods, model, runners: dict, prompts, s, device, repeats: int = 1) -> dict[str, list[dict]]:
+    """Every method on every prompt, interleaved prompt by prompt (same machine state); `runners`
+    gives each method its (target runner, drafter runner or None). With
     repeats R > 1 each prompt runs every method R times, the method order rotated by one each
     time, and keeps each method's run of median wall time (the lower middle one for even R; its
     walls in `wall_s_runs`): one stall of the machine then lands in a discarded run. Every run is
@@ -310,14 +344,14 @@ def bench_loop(methods, model, tr, dr, prompts, s, device, repeats: int = 1) -> 
 
     warm = runtime.DecodeSettings(**{**s.__dict__, "max_new_tokens": 4})
     for m in methods:  # warm-up: first-call costs (allocations, kernels) stay out of the numbers
-        run_one(m, model, tr, dr, prompts[0]["ids"], warm, device)
+        run_one(m, model, *runners[m], prompts[0]["ids"], warm, device)
     results: dict[str, list[dict]] = {m: [] for m in methods}
     bar = tqdm(prompts, desc="bench", unit="prompt")
     for p in bar:
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for r in range(repeats):
             for m in methods[r % len(methods):] + methods[:r % len(methods)]:
-                runs[m].append(run_one(m, model, tr, dr, p["ids"], s, device))
+                runs[m].append(run_one(m, model, *runners[m], p["ids"], s, device))
         for m in methods:
             kept = sorted(runs[m], key=lambda x: x["wall_s"])[(repeats - 1) // 2]
             results[m].append(kept | ({"wall_s_runs": [x["wall_s"] for x in runs[m]]} if repeats > 1 else {}))
@@ -358,7 +392,7 @@ def step_cost(st: dict, plain: dict) -> None:
                        "drafter": rel * st["time_split"]["drafter"]}
 
 
-def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
+def build_report(args, methods, prompts, results, s, drafters: dict, tdir) -> dict:
     per = {m: method_stats(results[m]) for m in methods}
     base = per["plain"]["tokens_per_s"]
     for m in methods:
@@ -377,14 +411,15 @@ def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
     mism = {m: sum(r["tokens"] != t for r, t in zip(results[m], plain)) for m in methods if m != "plain"}
     greedy = s.temperature <= 0
     summary = {
-        "target": str(tdir), "drafter": args.drafter, "engine": args.engine, "dtype": args.dtype,
+        "target": str(tdir), "drafter": args.drafter[0] if len(drafters) == 1 else args.drafter,
+        "engine": args.engine, "dtype": args.dtype,
         "device": args.device, "prompts": len(prompts), "max_new_tokens": s.max_new_tokens,
         "temperature": s.temperature, "top_p": s.top_p, "k": s.k, "tree": list(s.tree),
         "draft_cutoff": s.cutoff, "repeats": args.repeats,
         "plain_tokens_per_s": base,
         "methods": {m: {k: v for k, v in per[m].items()} for m in methods},
         "mismatches_vs_plain": mism if greedy else None,
-        "greedy_mismatches": sum(v for m, v in mism.items() if m in ("chain", "tree")) if greedy else None,
+        "greedy_mismatches": sum(v for m, v in mism.items() if kind(m) in ("chain", "tree")) if greedy else None,
         "definitions": {"acceptance_length": "mean over verification steps of (accepted draft tokens + 1)",
                         "acceptance_by_position": "share of verification steps whose first i+1 drafts "
                         "(tree: depth i+1) were accepted",
@@ -394,10 +429,13 @@ def build_report(args, methods, prompts, results, s, loaded, tdir) -> dict:
                         "step / step cost, where tokens per step is the acceptance length plus each prompt's first "
                         "token (from the prefill) spread over its steps"},
     }
-    if loaded is not None:
-        summary["engine_notes"] = loaded.notes
-        summary["engine_missing"] = loaded.missing
-        summary["engine_skipped"] = loaded.skipped
+    if len(drafters) > 1:
+        summary["drafters"] = dict(zip(drafters, args.drafter))
+    if drafters:  # several: each line prefixed with its drafter's name
+        tag = (lambda n: f"{n}: ") if len(drafters) > 1 else (lambda n: "")  # noqa: E731
+        summary["engine_notes"] = [tag(n) + x for n, d in drafters.items() for x in d.notes]
+        summary["engine_missing"] = [tag(n) + x for n, d in drafters.items() for x in d.missing]
+        summary["engine_skipped"] = [tag(n) + x for n, d in drafters.items() for x in d.skipped]
     return {"summary": summary, "by_category": by_cat, "provenance": provenance(args)}
 
 
@@ -426,7 +464,7 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
     topk = s.tree[0]
     guesses: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # chain and tree mostly share outputs
     out = {}
-    for m in (x for x in methods if x in ("chain", "tree")):
+    for m in (x for x in methods if kind(x) in ("chain", "tree")):
         all_hits, oov, served, tf1, tfk = [], [], [], [], []
         for j, (p, r) in enumerate(zip(prompts, results[m])):
             n0 = p["ids"].shape[0]
@@ -454,7 +492,7 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
         g = {"val_acc_0": val.get("acc_0") if val else None, "tf_all": mean(all_hits),
              "tf_at_steps": mean(tf1), "served_first": mean(served), "steps": len(served),
              "positions": len(all_hits), "out_of_vocab": mean(oov)}
-        if m == "chain":
+        if kind(m) == "chain":
             g["agreement"] = mean([a == b for a, b in zip(served, tf1)])
         else:
             g[f"tf_top{topk}_at_steps"] = mean(tfk)
@@ -480,7 +518,8 @@ def write_report(out: Path, report: dict, results, prompts, tok) -> None:
 
 def markdown(report: dict) -> str:
     s = report["summary"]
-    lines = [f"# eyas bench\n", f"target `{s['target']}`, drafter `{s['drafter']}` (engine {s['engine']}), "
+    who = ", ".join(f"{n} = `{d}`" for n, d in s["drafters"].items()) if s.get("drafters") else f"`{s['drafter']}`"
+    lines = [f"# eyas bench\n", f"target `{s['target']}`, drafter {who} (engine {s['engine']}), "
              f"{s['dtype']} on {s['device']}, {s['prompts']} prompts, {s['max_new_tokens']} new tokens, "
              f"temperature {s['temperature']}, chain k={s['k']}, tree topk,depth,tokens={s['tree']}, "
              + (f"draft cutoff {s['draft_cutoff']} (drafts below that path probability are not proposed, so "
