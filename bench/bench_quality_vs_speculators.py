@@ -18,9 +18,9 @@ schedule and gradient clipping. What differs is each framework's own model and l
   pack with TTT 5 cost gigabytes).
 
 Then both are scored the same two ways: `eyas train --init-from D --max-steps 0` (teacher-
-forced validation metrics on the eval split, eyas's metric code) and `eyas bench` on the
-same prompts (real decoding with the target: acceptance length, per-position acceptance,
-tokens/s). The speculators drafter is imported into an eyas checkpoint by eyas's own
+forced validation metrics on the eval split, eyas's metric code) and one `eyas bench` run with
+both drafters on the same prompts, interleaved prompt by prompt (real decoding with the target:
+acceptance length, per-position acceptance, tokens/s against one plain baseline). The speculators drafter is imported into an eyas checkpoint by eyas's own
 importer (`formats.engines.import_checkpoint`) so both run in the same runtime.
 
     python bench/bench_quality_vs_speculators.py --capture CAP [CAP ...] --vocab V.safetensors \
@@ -226,6 +226,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--tree", default="4,5,16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="eyas bench --repeats (median-wall run of R per prompt)")
     p.add_argument("--draft-cutoff", default="0", help="eyas bench --draft-cutoff (default 0: every draft runs to its full "
                    "size, so acceptance measures the drafter, not the cutoff)")
     p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
@@ -243,6 +244,15 @@ def main() -> None:
             run([sys.executable, __file__, "--which", which, *argv], a.out / f"train_{which}.log")
     drafters = {"eyas": a.out / "eyas" / "final", "speculators": a.out / "speculators_eyas"}
     res = {"settings": {k: str(v) for k, v in vars(a).items() if k != "which"}}
+    bdir = a.out / "bench_both"  # both drafters in one run, prompt by prompt, one plain baseline
+    if not (bdir / "report.json").exists():
+        run(eyas_cmd("bench", "--target", a.target, "--drafter", *map(str, drafters.values()),
+                     "--prompts", *map(str, a.prompts), "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k),
+                     "--tree", a.tree, "--methods", "chain,tree", "--baselines", "plain", "--dtype", a.dtype,
+                     "--draft-cutoff", a.draft_cutoff, "--repeats", str(a.repeats),
+                     "--threads", str(a.threads), "--out", str(bdir), "--force"), a.out / "bench_both.log")
+    summary = json.loads((bdir / "report.json").read_text())["summary"]
+    name_of = {path: name for name, path in summary["drafters"].items()}
     for which, ckpt in drafters.items():
         r = {"train": json.loads((a.out / f"train_{which}.json").read_text())}
         ev = a.out / f"eval_{which}"
@@ -250,16 +260,9 @@ def main() -> None:
             run(eyas_cmd("train", "--target", a.target, "--capture", *map(str, a.capture), "--vocab", str(a.vocab),
                          "--out", str(ev), "--force", "--init-from", str(ckpt), *train_args(a, 0)), a.out / f"eval_{which}.log")
         r["val"] = {k: v for k, v in last_eval(ev).items() if k.startswith(("acc_", "accept_len", "loss"))}
-        bdir = a.out / f"bench_{which}"
-        if not (bdir / "report.json").exists():
-            run(eyas_cmd("bench", "--target", a.target, "--drafter", str(ckpt), "--prompts", *map(str, a.prompts),
-                         "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k), "--tree", a.tree,
-                         "--methods", "chain,tree", "--baselines", "plain", "--dtype", a.dtype,
-                         "--draft-cutoff", a.draft_cutoff,
-                         "--threads", str(a.threads), "--out", str(bdir), "--force"), a.out / f"bench_{which}.log")
-        s = json.loads((bdir / "report.json").read_text())["summary"]["methods"]
-        r["bench"] = {m: {k: s[m][k] for k in ("acceptance_length", "acceptance_by_position", "tokens_per_s", "speedup")}
-                      for m in ("chain", "tree")}
+        s, name = summary["methods"], name_of[str(ckpt)]
+        r["bench"] = {m: {k: s[f"{m}@{name}"][k] for k in ("acceptance_length", "acceptance_by_position",
+                                                            "tokens_per_s", "speedup")} for m in ("chain", "tree")}
         res[which] = r
     res["eyas"]["train"].update(eyas_real_throughput(a))
     e, s = res["eyas"], res["speculators"]
