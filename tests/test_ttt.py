@@ -98,6 +98,14 @@ def test_target_table_with_known_argmax():
     # a stale argmax for a different batch is refused, not silently misaligned
     with pytest.raises(ValueError, match="supervised positions"):
         ttt.target_table(last, mask, lm, tids, t2d, argmax=tab.argmax[:-1])
+    # the head split once by a trainer gives the same table; draft rows alone cannot give the argmax
+    split = ttt.target_table(last, mask, lm, tids, t2d, chunk=3, rows=ttt.head_rows(lm, tids))
+    assert torch.equal(split.probs, tab.probs) and torch.equal(split.argmax, tab.argmax)
+    draft_only = ttt.head_rows(lm, tids, rest=False)
+    again = ttt.target_table(last, mask, lm, tids, t2d, chunk=3, argmax=tab.argmax, rows=draft_only)
+    assert torch.equal(again.probs, tab.probs)
+    with pytest.raises(ValueError, match="rest=True"):
+        ttt.target_table(last, mask, lm, tids, t2d, rows=draft_only)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
