@@ -245,7 +245,9 @@ def main() -> None:
     drafters = {"eyas": a.out / "eyas" / "final", "speculators": a.out / "speculators_eyas"}
     res = {"settings": {k: str(v) for k, v in vars(a).items() if k != "which"}}
     bdir = a.out / "bench_both"  # both drafters in one run, prompt by prompt, one plain baseline
-    if not (bdir / "report.json").exists():
+    old = json.loads((bdir / "report.json").read_text())["summary"] if (bdir / "report.json").exists() else None
+    if not old or sorted(old.get("drafters", {}).values()) != sorted(map(str, drafters.values())) \
+            or old.get("repeats") != a.repeats:
         run(eyas_cmd("bench", "--target", a.target, "--drafter", *map(str, drafters.values()),
                      "--prompts", *map(str, a.prompts), "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k),
                      "--tree", a.tree, "--methods", "chain,tree", "--baselines", "plain", "--dtype", a.dtype,

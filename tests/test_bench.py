@@ -148,6 +148,30 @@ def test_bench_runs_several_drafters_side_by_side(eyas_cli, tiny_target, drafter
     assert both["methods"]["tree@drafter"]["acceptance_by_position"] != both["methods"]["tree@run2"]["acceptance_by_position"]
 
 
+def test_drafter_names_are_short_and_unique(tmp_path):
+    names = bench.drafter_names
+    assert names([str(tmp_path / "runA" / "final"), str(tmp_path / "runB" / "final")]) == ["runA", "runB"]
+    assert names([str(tmp_path / "r" / "final"), str(tmp_path / "r" / "best")]) == ["r", "r/best"]
+    x, y, z = tmp_path / "x" / "a", tmp_path / "y" / "a", tmp_path / "z" / "a-1"
+    assert names([str(x), str(y), str(z)]) == ["x/a", "y/a", "a-1"]
+    with pytest.raises(bench.EyasError, match="same checkpoint"):
+        names([str(x), str(tmp_path / "x" / ".." / "x" / "a")])
+
+
+def test_bench_repeats_end_to_end(eyas_cli, tiny_target, drafter_dir, prompt_file, tmp_path):
+    out = tmp_path / "rep"
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, "--prompts", prompt_file,
+                            "--max-new-tokens", "6", "--limit", "1", "--baselines", "plain", "--methods", "chain",
+                            "--repeats", "2", "--out", out)
+    assert code == 0, err
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["summary"]["repeats"] == 2 and rep["summary"]["greedy_mismatches"] == 0
+    for m in ("plain", "chain"):
+        row = rep["per_prompt"][0][m]
+        assert len(row["wall_s_runs"]) == 2 and row["wall_s"] == min(row["wall_s_runs"])  # lower middle of two
+    assert "times per prompt" in (out / "report.md").read_text()
+
+
 def test_limit_spreads_over_categories_in_file_order():
     from eyas.stages.bench import spread
 

@@ -106,6 +106,8 @@ def test_target_table_with_known_argmax():
     assert torch.equal(again.probs, tab.probs)
     with pytest.raises(ValueError, match="rest=True"):
         ttt.target_table(last, mask, lm, tids, t2d, rows=draft_only)
+    with pytest.raises(ValueError, match="draft rows"):  # split for another vocabulary
+        ttt.target_table(last, mask, lm, tids, t2d, rows=ttt.head_rows(lm, tids[:-1]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -191,6 +191,9 @@ def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Ten
     if rows is None:
         rows = head_rows(lm_head.to(states.dtype), target_ids, rest=argmax is None)
     w_draft, w_rest, rest_ids = rows.draft, rows.rest, rows.rest_ids  # (N, H), (V - N, H), ascending ids
+    if w_draft.shape[0] != target_ids.numel() or w_draft.dtype != states.dtype:
+        raise ValueError(f"rows: {w_draft.shape[0]} draft rows in {w_draft.dtype}, the table needs "
+                         f"{target_ids.numel()} in {states.dtype} (head_rows of this head and vocabulary)")
     if argmax is None and rest_ids.numel() + target_ids.numel() != lm_head.shape[0]:
         raise ValueError("rows hold the draft rows only: the full-vocabulary argmax needs head_rows(rest=True)")
     chunk = chunk or TABLE_CHUNK["cpu" if last.device.type == "cpu" else "other"]

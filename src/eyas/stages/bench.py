@@ -91,7 +91,7 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, help="use N prompts, taken round-robin across categories in file order")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every method R times per prompt (the order rotated each time) and keep the run of "
-                   "median wall time: a stall of a shared or noisy machine then moves no figure (default 1)")
+                   "median wall time per token: a stall of a shared or noisy machine then moves no figure (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--out", default="bench-report", help="report directory (default ./bench-report)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
@@ -216,11 +216,27 @@ def run_one(method: str, model, tr, dr, prompt, s: runtime.DecodeSettings, devic
 
 
 def drafter_names(paths: list[str]) -> list[str]:
-    """Short unique names for several --drafter paths: the checkpoint directory's name (its run's
-    for RUN/final or RUN/best), numbered where two agree."""
-    names = [(q.parent.name if q.name in ("final", "best") and q.parent.name else q.name) or str(q)
-             for q in map(Path, paths)]
-    return [n if names.count(n) == 1 else f"{n}-{i + 1}" for i, n in enumerate(names)]
+    """Short unique names for several --drafter paths: the checkpoint directory's name (`RUN` for
+    RUN/final, `RUN/best` for RUN/best), with more of the path where two would agree."""
+    parts = [Path(p).resolve().parts for p in paths]
+    if len(set(parts)) < len(parts):
+        raise EyasError("--drafter: the same checkpoint is named twice; bench each drafter once")
+
+    def name(ps: tuple[str, ...], k: int) -> str:
+        if ps[-1] == "final" and len(ps) > 1:
+            ps = ps[:-1]
+        elif ps[-1] == "best":
+            k += 1
+        return "/".join(ps[-k:])
+
+    depth = [1] * len(parts)
+    while True:
+        names = [name(ps, k) for ps, k in zip(parts, depth)]
+        clash = [i for i, n in enumerate(names) if names.count(n) > 1]
+        if not clash:
+            return names
+        for i in clash:
+            depth[i] += 1
 
 
 def method_list(args, names: list[str]) -> list[str]:
@@ -262,6 +278,8 @@ def check_args(args) -> None:
         raise EyasError(f"--top-p {args.top_p}: must lie in (0, 1], e.g. 0.95")
     if args.draft_cutoff is not None and not 0 <= args.draft_cutoff < 1:
         raise EyasError(f"--draft-cutoff {args.draft_cutoff}: must lie in [0, 1), e.g. {CPU_CUTOFF}")
+    if args.drafter:
+        drafter_names(args.drafter)  # the same checkpoint twice
     if args.drafter and not [m for m in args.methods.split(",") if m.strip()]:
         raise EyasError("--methods is empty: with --drafter, run chain and/or tree (e.g. --methods chain,tree)")
 
@@ -335,9 +353,9 @@ def bench_loop(methods, model, runners: dict, prompts, s, device, repeats: int =
     """Every method on every prompt, interleaved prompt by prompt (same machine state); `runners`
     gives each method its (target runner, drafter runner or None). With
     repeats R > 1 each prompt runs every method R times, the method order rotated by one each
-    time, and keeps each method's run of median wall time (the lower middle one for even R; its
-    walls in `wall_s_runs`): one stall of the machine then lands in a discarded run. Every run is
-    seeded alike (`s.seed`), so repeats decode the same tokens."""
+    time, and keeps each method's run of median wall time per token (the lower middle one for even
+    R; its walls in `wall_s_runs`): one stall of the machine then lands in a discarded run. Every
+    run is seeded alike (`s.seed`), so repeats decode the same tokens up to nondeterministic kernels."""
     from tqdm import tqdm
 
     from eyas import runtime
@@ -353,7 +371,7 @@ def bench_loop(methods, model, runners: dict, prompts, s, device, repeats: int =
             for m in methods[r % len(methods):] + methods[:r % len(methods)]:
                 runs[m].append(run_one(m, model, *runners[m], p["ids"], s, device))
         for m in methods:
-            kept = sorted(runs[m], key=lambda x: x["wall_s"])[(repeats - 1) // 2]
+            kept = sorted(runs[m], key=lambda x: x["wall_s"] / max(1, len(x["tokens"])))[(repeats - 1) // 2]
             results[m].append(kept | ({"wall_s_runs": [x["wall_s"] for x in runs[m]]} if repeats > 1 else {}))
         done = {m: sum(len(r["tokens"]) for r in results[m]) / max(1e-9, sum(r["wall_s"] for r in results[m]))
                 for m in methods}
@@ -528,7 +546,7 @@ def markdown(report: dict) -> str:
              + f"{s.get('prepacked_linears', 0)} linear layers prepacked (`--no-prepack`: 0)"
              + (", the drafter's in fp16 (fbgemm; the target verifies every draft)" if s.get("drafter_weights") == "fp16"
                 else "")
-             + (f", each method run {s['repeats']} times per prompt, the median-wall run kept" if s.get("repeats", 1) > 1
+             + (f", each method run {s['repeats']} times per prompt, the run of median wall time per token kept" if s.get("repeats", 1) > 1
                 else "") + "\n",
              "| method | tok/s | speedup vs plain | acceptance length | step cost (target + drafter) | target | "
              "drafter | overhead |",
