@@ -425,3 +425,14 @@ def test_resume_names_a_damaged_checkpoint_and_the_way_back(pipe, tmp_path, eyas
     assert code == 0, err
     code, _, err = eyas_cli(*base, "--vocab", pipe["full"], "--resume")
     assert code == 2 and "draft head" in err and "--vocab" in err, err
+    from eyas.formats.vocab import VocabMap, load_vocab, save_vocab
+
+    vm = load_vocab(pipe["vocab"])  # the same size, one token swapped for one outside it
+    ids = vm.target_ids.clone()
+    ids[-1] = int((~vm.t2d).nonzero()[0])
+    ids = ids.sort().values
+    t2d = torch.zeros_like(vm.t2d)
+    t2d[ids] = True
+    save_vocab(tmp_path / "other.safetensors", VocabMap(ids - torch.arange(ids.numel()), t2d))
+    code, _, err = eyas_cli(*base, "--vocab", tmp_path / "other.safetensors", "--resume")
+    assert code == 2 and "another draft vocabulary" in err, err

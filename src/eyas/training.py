@@ -642,6 +642,11 @@ class Trainer:
         if rows != want:
             raise EyasError(f"--resume: {ck}/model.safetensors has a {rows}-token draft head, this run's --vocab "
                             f"{want} tokens: resume with the run's own --vocab, or start a new --out")
+        if "d2t" in weights and not torch.equal(weights["d2t"].long().cpu(), self.drafter.d2t.long().cpu()):
+            # same size, other tokens: loading it would leave this run's targets (target_ids, head_rows)
+            # on --vocab's tokens and the head on the checkpoint's, a silent mismatch
+            raise EyasError(f"--resume: {ck}/model.safetensors was trained on another draft vocabulary (the same "
+                            "size as --vocab, other tokens): resume with the run's own --vocab, or start a new --out")
         self._load_state(weights, state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.epoch = state["step"], state["epoch"]
