@@ -625,12 +625,13 @@ def cutoff_note(cutoff: float) -> str:
 
 def method_rows(methods: dict, draft_cutoff: float | None) -> list[str]:
     """The per-method table of a report's summary, as `eyas bench` and `eyas quickstart` print it."""
-    rows = [f"{'method':8s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'step cost':>10s} {'overhead':>9s}"]
+    w = max([8] + [len(m) for m in methods])
+    rows = [f"{'method':{w}s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'step cost':>10s} {'overhead':>9s}"]
     for m, st in methods.items():
         al = f"{st['acceptance_length']:.2f}" if st.get("acceptance_length") is not None else "-"
         cost = f"{st['step_cost']['total']:.2f}x" if st.get("step_cost") else "-"
         over = f"{st['time_split']['overhead']:.0%}" if st.get("time_split") else "-"
-        rows.append(f"{m:8s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {cost:>10s} {over:>9s}")
+        rows.append(f"{m:{w}s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} {cost:>10s} {over:>9s}")
     if any(st.get("step_cost") for st in methods.values()):
         rows.append("step cost: one verification step (drafting + verifying) in plain decoding steps; "
                     "speedup ~ accept / step cost")
