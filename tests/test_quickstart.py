@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+import pytest
+
 from eyas.stages import quickstart as qs
 from eyas.stages.bench import CPU_BF16_CUTOFF, CPU_CUTOFF
 
@@ -99,13 +101,63 @@ def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
 
     parser = build_parser()
     values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x"), "device": "cpu",
-              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": CPU_CUTOFF}
+              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": CPU_CUTOFF, "time_budget": ("--time-budget", "5")}
     values.update({s: str(tmp_path / s) for s in qs.STAGES})
     known = set(parser._subparsers._group_actions[0].choices)
     for stage, template in qs.ARGV.items():
         argv = qs.fill(template, values)
         if argv[0] in known:
             parser.parse_args(argv)
+
+
+class TimedRecorder(Recorder):
+    """A runner on a fake clock (quickstart's `time`): each stage takes `minutes[stage]`."""
+
+    def __init__(self, minutes: dict):
+        super().__init__()
+        self.minutes, self.t = minutes, 0.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def __call__(self, argv, quiet):
+        self.t += 60 * self.minutes.get(argv[0], 0.0)
+        return super().__call__(argv, quiet)
+
+
+def test_deadline_gives_train_the_minutes_left(tiny_target, tmp_path, monkeypatch):
+    """With a deadline on a CPU the train stage's --time-budget is the deadline less the minutes
+    elapsed, its own overhead and the bench's planned minutes at the pace the stages before it ran;
+    that number depends on the hour, the stage's hash does not (a rerun reuses the trained stage)."""
+    # bf16: no fp32-on-a-CPU factors on the planned minutes
+    plan = qs.Plan(**{**PLAN.__dict__, "minutes": (0, 4, 0, 2, 8, 2), "deadline": 20.0, "dtype": "bf16"})
+    budgets, train_dirs = [], []
+    for name, data_min, capture_min in (("slow", 6.0, 3.0), ("fast", 2.0, 1.0), ("late", 15.0, 4.0)):
+        rec = TimedRecorder({"data": data_min, "capture": capture_min})
+        monkeypatch.setattr(qs, "time", rec)
+        result = qs.run_pipeline(str(tiny_target), tmp_path / name, plan, runner=rec)
+        train = next(a for a in rec.calls if a[0] == "train")
+        budgets.append(float(train[train.index("--time-budget") + 1]))
+        train_dirs.append(pathlib.Path(result["stages"][4]["dir"]).name)
+        again = qs.run_pipeline(str(tiny_target), tmp_path / name, plan, runner=rec)
+        assert [r["status"] for r in again["stages"][1:]] == ["reused"] * 5
+    pace_slow = (6 + 3) / (4 + 2)  # the fast run's pace (0.5) counts as 0.8; the late one's (3.2) as 2
+    assert budgets == pytest.approx([20 - 9 - qs.TRAIN_STAGE_OVERHEAD - 2 * pace_slow,
+                                     20 - 3 - qs.TRAIN_STAGE_OVERHEAD - 2 * 0.8, 2.0], abs=0.01)
+    # the train stage made again in the same work directory, its inputs reused (nothing ran before it:
+    # pace 1): another budget, the same stage directory
+    for marker in (tmp_path / "slow" / ".done").glob("*.json"):
+        if marker.name.startswith(("train-", "bench-")):
+            marker.unlink()
+    rec = TimedRecorder({})
+    monkeypatch.setattr(qs, "time", rec)
+    result = qs.run_pipeline(str(tiny_target), tmp_path / "slow", plan, runner=rec)
+    train = rec.calls[0]
+    assert train[0] == "train" and float(train[train.index("--time-budget") + 1]) == pytest.approx(20 - 0.7 - 2)
+    assert pathlib.Path(result["stages"][4]["dir"]).name == train_dirs[0]
+    rec = Recorder()  # no deadline: every planned step, no flag
+    qs.run_pipeline(str(tiny_target), tmp_path / "plain", PLAN, runner=rec)
+    assert "--time-budget" not in next(a for a in rec.calls if a[0] == "train")
 
 
 def test_tuple_values_expand_to_several_arguments():

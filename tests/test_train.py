@@ -4,6 +4,7 @@ equivalence, vocabulary-mismatch refusal and --remap, divergence, bad input (exi
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import os
 import subprocess
@@ -130,6 +131,71 @@ def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
     for s in (4, 6, 7):  # each state knows its own step's score, so a resume never demotes RUN/best
         st = torch.load(tmp_path / "a" / "checkpoints" / f"step-{s}" / training.STATE_FILE, weights_only=True)
         assert st["best"] == max(m["accept_len"] for m in evals if m["step"] <= s), s
+
+
+class StepClock:
+    """training's `time` module for a test: a clock that moves only when a step ends (1 s each)."""
+
+    def __init__(self, kill_at: int | None = None):
+        self.t, self.kill_at = 0.0, kill_at
+
+    def perf_counter(self) -> float:
+        return self.t
+
+    def hook(self, step: int) -> None:
+        self.t += 1.0
+        if step == self.kill_at:
+            raise KeyboardInterrupt
+
+
+def test_time_budget_ends_the_schedule_and_survives_resume(pipe, tmp_path, eyas_cli, monkeypatch):
+    """--time-budget: the cosine follows the time spent when it is further along than the steps,
+    training stops when the budget is spent (evaluated and saved as final), and a run killed and
+    resumed ends bit-identical to an uninterrupted one (its seconds are in the checkpoint).
+    A budget never reached changes nothing."""
+    args = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--ttt", "2",
+            "--epochs", "10", "--eval-every", "2", "--batch-tokens", "300", "--max-len", "96", "--dtype", "fp32",
+            "--keep-last", "3", "--warmup-ratio", "0", "--json")
+    timed = (*args, "--time-budget", "0.1")  # 6 s of the clock: 6 steps
+    clock = StepClock()
+    monkeypatch.setattr(training, "time", clock)
+    monkeypatch.setattr(training, "STEP_HOOKS", [clock.hook])
+    code, out, err = eyas_cli("train", "--out", tmp_path / "a", *timed)
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["step"] == 6 and s["stopped_by_time"] and s["steps_planned"] > 20, s
+    assert (tmp_path / "a" / "final" / "model.safetensors").is_file()
+    state = torch.load(tmp_path / "a" / "checkpoints" / "step-6" / training.STATE_FILE, weights_only=True)
+    assert state["train_seconds"] == 6.0
+    # the lr for step 7 was set at step 6, when 5 of the 6 s were spent (steps alone: 6 of 40+)
+    assert state["scheduler"]["_last_lr"][0] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 5 / 6)))
+
+    clock = StepClock(kill_at=5)
+    monkeypatch.setattr(training, "time", clock)
+    monkeypatch.setattr(training, "STEP_HOOKS", [clock.hook])
+    assert eyas_cli("train", "--out", tmp_path / "b", *timed)[0] == 130
+    clock2 = StepClock()
+    clock2.t = clock.t  # the wall clock went on while the run was down
+    monkeypatch.setattr(training, "time", clock2)
+    monkeypatch.setattr(training, "STEP_HOOKS", [clock2.hook])
+    code, out, err = eyas_cli("train", "--out", tmp_path / "b", "--resume", *timed)
+    assert code == 0, err
+    assert json.loads(out)["resumed_from"] == 4 and json.loads(out)["step"] == 6
+    wa, wb = _weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final")
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+    # a budget the run never reaches: the same weights as no budget at all
+    for name, extra in (("c", ("--time-budget", "100")), ("d", ())):
+        clock = StepClock()
+        monkeypatch.setattr(training, "time", clock)
+        monkeypatch.setattr(training, "STEP_HOOKS", [clock.hook])
+        assert eyas_cli("train", "--out", tmp_path / name, *args, "--max-steps", "8", *extra)[0] == 0
+    wc, wd = _weights(tmp_path / "c" / "final"), _weights(tmp_path / "d" / "final")
+    for k in wc:
+        assert torch.equal(wc[k], wd[k]), k
+    code, _, err = eyas_cli("train", "--out", tmp_path / "e", *args, "--time-budget", "0")
+    assert code == 2 and "--time-budget" in err and not (tmp_path / "e").exists()
 
 
 def test_aux_gain_checkpoints_serve_what_training_evaluated(pipe, tmp_path, eyas_cli):
@@ -408,7 +474,7 @@ def test_several_captures_are_trained_together(pipe, tmp_path, eyas_cli):
 
 def test_resume_names_a_damaged_checkpoint_and_the_way_back(pipe, tmp_path, eyas_cli):
     """A step checkpoint damaged on disk: --resume exits 2 naming it and saying to delete it; after
-    that it resumes from the one before. A changed --vocab is named too."""
+    that it resumes from the one before. A changed --vocab or other training data is named too."""
     import shutil
 
     run = tmp_path / "r"
@@ -436,3 +502,10 @@ def test_resume_names_a_damaged_checkpoint_and_the_way_back(pipe, tmp_path, eyas
     save_vocab(tmp_path / "other.safetensors", VocabMap(ids - torch.arange(ids.numel()), t2d))
     code, _, err = eyas_cli(*base, "--vocab", tmp_path / "other.safetensors", "--resume")
     assert code == 2 and "another draft vocabulary" in err, err
+    # other data (the data position would index other samples): refused; the same capture moved: resumes
+    i = base.index("--capture")
+    code, _, err = eyas_cli(*base[:i + 1], pipe["cap"], *base[i + 1:], "--vocab", pipe["vocab"], "--resume")
+    assert code == 2 and "trained on other data" in err and "--capture" in err, err
+    shutil.copytree(pipe["cap"], tmp_path / "moved")
+    code, _, err = eyas_cli(*base[:i + 1], tmp_path / "moved", *base[i + 2:], "--vocab", pipe["vocab"], "--resume")
+    assert code == 0, err

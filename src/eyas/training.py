@@ -9,6 +9,7 @@ and validates the inputs, then calls `train()`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -66,6 +67,7 @@ class TrainConfig:
     target_chunk: int | None = None  # rows per chunk of the target table (None: ttt.TABLE_CHUNK by device)
     aux_gain: bool = True  # per-channel power-of-two gain on fc's input (core.drafter.aux_gain_from_rms)
     align_topk: int = 0  # loss only on slots reachable by top-k drafting (core.ttt.ttt_forward); 0 = off
+    time_budget: float | None = None  # seconds of training; the schedule ends at steps or time, whichever first
 
 
 @dataclass
@@ -180,6 +182,20 @@ class OnlineSource:
             aux, last = cap.aux().float(), cap.last.float()
         return Batch(aux=aux, last=last, input_ids=ids, loss_mask=mask, ids=[s.id for s in samples],
                      keys=[(split, i) for i in idxs], tokens=sum(n))
+
+
+def split_fingerprint(source, split: str = "train") -> str:
+    """Hash of a split's sample ids and lengths: what a checkpoint's data position indexes. Cheap
+    (no features read); a copy of the same capture elsewhere has the same one."""
+    s = source.splits[split]
+    if hasattr(s, "key"):
+        ids = [s.key(i) for i in range(len(s))]
+    elif isinstance(source, OnlineSource):
+        ids = [r.id for r in s]
+    else:  # lists of tensors (tests)
+        ids = list(range(len(s)))
+    blob = json.dumps([[str(i) for i in ids], source.lengths(split)])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- fc input gain
@@ -317,12 +333,15 @@ class Target:
     softcap: float | None = None
 
 
-def lr_lambda(total: int, warmup: int) -> Callable[[int], float]:
-    """Linear warmup to 1 over `warmup` steps, then cosine to 0 at `total`."""
+def lr_lambda(total: int, warmup: int, time_progress: Callable[[], float] | None = None) -> Callable[[int], float]:
+    """Linear warmup to 1 over `warmup` steps, then cosine to 0 at `total`; with `time_progress`
+    (share of a time budget spent, 0..1), cosine over whichever of steps and time is further along."""
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
         prog = (step - warmup) / max(1, total - warmup)
+        if time_progress is not None:
+            prog = max(prog, time_progress())
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
     return f
 
@@ -349,12 +368,17 @@ class Trainer:
         # batches are planned on the padded shapes
         self.train_lengths = [shape_length(n) for n in source.lengths("train")]
         self.eval_lengths = [shape_length(n) for n in source.lengths("eval")]
+        self.train_data = split_fingerprint(source)  # saved with each checkpoint, checked on --resume
         per_epoch = len(plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, 0, self.dist.world))
         total = per_epoch * cfg.epochs
         self.total = min(total, cfg.max_steps) if cfg.max_steps is not None else total
+        # seconds of training so far (kept across --resume) and the share of --time-budget they are
+        self.train_seconds, self.time_spent = 0.0, 0.0
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(self.total, max(1, int(cfg.warmup_ratio * self.total))))
+            self.opt, lr_lambda(self.total, max(1, int(cfg.warmup_ratio * self.total)),
+                                (lambda: self.time_spent) if cfg.time_budget else None))
         self.step, self.epoch, self.batch_in_epoch, self.best = 0, 0, 0, -1.0
+        self.stopped_by_time = False
         self.tb = None
         # The target's full-vocabulary argmax per sample depends on the data alone: computed in
         # the first epoch, reused after it (saves the (M, V) lm_head product, ~10% of a bf16 step).
@@ -438,11 +462,14 @@ class Trainer:
             self._open_logs()
         bar = self._bar()
         last_eval: dict = {}
-        t0, tokens = time.perf_counter(), 0
+        t0, tokens, seconds0 = time.perf_counter(), 0, self.train_seconds
         try:
-            while self.step < self.total and self.epoch < cfg.epochs:
+            while self.step < self.total and self.epoch < cfg.epochs and not self.stopped_by_time:
                 plan = plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, self.epoch, self.dist.world)
                 while self.batch_in_epoch < len(plan) and self.step < self.total:
+                    self.train_seconds = seconds0 + time.perf_counter() - t0
+                    if cfg.time_budget and self._out_of_time():
+                        break
                     idxs = plan[self.batch_in_epoch][self.dist.rank::self.dist.world]
                     b = self.source.batch("train", idxs)
                     r = self.train_step(b)
@@ -452,12 +479,15 @@ class Trainer:
                     tps = tokens / max(1e-9, time.perf_counter() - t0)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{tps:,.0f}")
+                        left = {"budget_left": f"{(cfg.time_budget - self.train_seconds) / 60:.1f}min"} \
+                            if cfg.time_budget else {}
+                        bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{tps:,.0f}", **left)
                     if self.step % cfg.log_every == 0 or self.step == 1:
                         self._log({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": r["loss"],
                                    "grad_norm": r["grad_norm"], "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps})
                     for hook in STEP_HOOKS:
                         hook(self.step)
+                    self.train_seconds = seconds0 + time.perf_counter() - t0  # what a checkpoint saves
                     if self.step % cfg.eval_every == 0 and self.step < self.total:
                         last_eval = self._eval_and_save()
                 if self.batch_in_epoch >= len(plan):
@@ -465,10 +495,22 @@ class Trainer:
         finally:  # close the bar so an error prints on its own line
             if bar is not None:
                 bar.close()
+        if self.stopped_by_time and self.dist.main:
+            log.info("--time-budget %.1f min spent: stopped at step %d of %d (the schedule ended with it)",
+                     cfg.time_budget / 60, self.step, self.total)
         if not last_eval or last_eval.get("step") != self.step:
             last_eval = self._eval_and_save()
         self._finish(last_eval, tokens / max(1e-9, time.perf_counter() - t0))
         return last_eval
+
+    def _out_of_time(self) -> bool:
+        """Whether the time budget is spent, by the ranks' mean training seconds (so every rank stops
+        at the same step); sets `time_spent`, which the schedule's cosine follows."""
+        seconds = self.dist.all_sum(torch.tensor([self.train_seconds], device=self.device))
+        self.train_seconds = float(seconds[0]) / self.dist.world
+        self.time_spent = min(1.0, self.train_seconds / self.cfg.time_budget)
+        self.stopped_by_time = self.time_spent >= 1.0
+        return self.stopped_by_time
 
     def _bar(self):
         if not self.dist.main:
@@ -543,6 +585,7 @@ class Trainer:
         state = {"optimizer": opt_state, "optimizer_layout": self._optimizer_layout,
                  "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch,
                  "batch_in_epoch": self.batch_in_epoch, "best": self.best, "rng": rng_state(),
+                 "train_seconds": self.train_seconds, "train_data": self.train_data,
                  "config": asdict(self.cfg), "aux_gain": self.drafter.aux_gain.detach().cpu().clone()}
         tmp = ck / f".{STATE_FILE}.tmp"
         torch.save(state, tmp)
@@ -602,7 +645,8 @@ class Trainer:
             plot_metrics(self.out / "metrics.jsonl", self.out / "plots")
         except Exception as e:  # plotting must never lose a finished run
             log.warning("could not draw plots: %s", e)
-        self.summary = {"step": self.step, "tokens_per_s": tps, **{k: v for k, v in m.items() if k != "kind"}}
+        self.summary = {"step": self.step, "steps_planned": self.total, "stopped_by_time": self.stopped_by_time,
+                        "tokens_per_s": tps, **{k: v for k, v in m.items() if k != "kind"}}
 
     def resume(self) -> int:
         """Load the newest complete checkpoint (weights, optimizer, schedule, RNG, data position)."""
@@ -624,6 +668,11 @@ class Trainer:
             raise EyasError(f"--resume {self.out}: the run was started with different settings "
                             f"{ {k: v[0] for k, v in changed.items()} } (now { {k: v[1] for k, v in changed.items()} }); "
                             "resume with the original flags or start a new --out")
+        if state.get("train_data", self.train_data) != self.train_data:
+            raise EyasError(f"--resume {self.out}: {ck.name} was trained on other data (its training split's sample "
+                            f"ids and lengths differ from {self.meta.get('features', 'this run')}'s): its data "
+                            "position would index other samples; resume with the run's own --capture / --data "
+                            "(run.json names it), or start a new --out")
         layout = state.get("optimizer_layout", "torch")
         if state["optimizer"] is not None and layout != self._optimizer_layout:
             raise EyasError(f"--resume {self.out}: {ck.name} was saved {'with' if layout == 'fqn' else 'without'} "
@@ -651,6 +700,9 @@ class Trainer:
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.epoch = state["step"], state["epoch"]
         self.batch_in_epoch, self.best = state["batch_in_epoch"], state["best"]
+        self.train_seconds = state.get("train_seconds", 0.0)
+        if self.cfg.time_budget:
+            self.time_spent = min(1.0, self.train_seconds / self.cfg.time_budget)
         set_rng_state(state["rng"])
         return self.step
 

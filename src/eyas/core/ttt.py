@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-STEP_WEIGHT = 0.8  # loss weight of step i is 0.8**i (EAGLE-3 / SpecForge / speculators)
+STEP_WEIGHT = 0.8  # loss weight of step i is 0.8**i (EAGLE-3, SpecForge; speculators 0.9 defaults to 1.0)
 
 
 # ---------------------------------------------------------------- attention

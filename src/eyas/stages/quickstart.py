@@ -51,6 +51,10 @@ class Plan:
     minutes: tuple[float, ...] = (0.2, 6, 0.2, 1, 6, 4)
     inputs: tuple[str, ...] = ("builtin",)  # `eyas data prepare --input`
     tree: str = "4,5,16"  # `eyas bench --tree`
+    # minutes the whole run may take on a CPU: the train stage gets what the stages before it and
+    # the bench's estimate leave (`train_budget`), so a slow hour trains fewer steps instead of
+    # running late. None: every planned step
+    deadline: float | None = None
     # the plan to run instead where the stages run in fp32 on a CPU (no native bf16), sized for
     # that machine; its `minutes` are that machine's own
     fp32_cpu: Plan | None = None
@@ -69,7 +73,8 @@ class Plan:
 # batches, weight decay 0.1, learning rate 5e-4 or 2e-3 instead of 1e-3.
 FP32_CPU_SMALL = Plan(prompts=360, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=4096,
                       train_epochs=5, train_max_steps=1500, ttt=3, batch_tokens=512, bench_prompts=10,
-                      bench_new_tokens=48, minutes=(0.2, 5.2, 0.1, 2.6, 8.6, 2.7))  # 2026-12-01: 19.2 min
+                      bench_new_tokens=48, minutes=(0.2, 5.2, 0.1, 2.6, 8.6, 2.7),  # 2026-12-01: 19.2 min
+                      deadline=19.5)
 
 PLANS = {
     # small, measured on this 2-core CPU (bf16, quiet machine): 200 prompts x 128 tokens, 3 epochs
@@ -109,7 +114,8 @@ PLANS = {
     # one after the other: 6.0 -> 4.6 min (regeneration 286 -> 375 tok/s); the ETA scales 6.3 by that.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=1600, ttt=4, batch_tokens=1024, bench_prompts=10,
-                  bench_new_tokens=64, minutes=(0.2, 4.8, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL),
+                  bench_new_tokens=64, minutes=(0.2, 4.8, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL,
+                  deadline=19.5),
     # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
     # eyas/data/PUBLIC_PROMPTS.md), all answered by the target, 3 epochs in one cosine schedule at
     # 4096-token batches. Measured: 78.7 min (data 31.5, capture 7.0, train 36.1 for 741 steps, bench
@@ -163,7 +169,8 @@ ARGV: dict[str, list[str]] = {
     "train": ["train", "--target", "{target}", "--capture", "{capture}", "--vocab", "{vocab}/vocab.safetensors",
               "--epochs", "{train_epochs}", "--max-steps", "{train_max_steps}", "--ttt", "{ttt}",
               "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--device", "{device}", "--dtype", "{dtype}",
-              "--aux-gain", "rms", "--out", "{out}", "--force"],  # explicit: runs trained before it are not reused
+              "--aux-gain", "rms", "{time_budget}", "--out", "{out}", "--force"],
+    # --aux-gain explicit: runs trained before it are not reused. {time_budget}: see train_budget
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
               "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--baselines", "plain,pld",
@@ -245,6 +252,20 @@ REGEN_BATCH = {"cpu": data_stage.REGEN_BATCH, "cuda": 256}
 FP32_CPU_TREE = "4,5,16"
 
 
+# minutes of the train stage outside its optimizer loop (loading, the aux gain, the last evaluation,
+# saving, plots), which --time-budget does not count
+TRAIN_STAGE_OVERHEAD = 0.7
+
+
+def train_budget(deadline: float, elapsed: float, bench_minutes: float, pace: float) -> float:
+    """Minutes of --time-budget for the train stage: what the deadline leaves after the minutes
+    elapsed, the train stage's own overhead and the bench stage's planned minutes at the pace the
+    stages before ran (their measured / planned time, taken within 0.8-2). Never under 2 minutes:
+    a run already late still trains a drafter worth benching."""
+    left = deadline - elapsed - TRAIN_STAGE_OVERHEAD - bench_minutes * min(2.0, max(0.8, pace))
+    return max(2.0, left)
+
+
 def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
                  runner: Callable[[list[str], bool], int] = run_stage_cli, device: str = "cpu") -> dict:
     """Run (or reuse) every stage on `device`; returns {stages: [...], bench: summary or None}."""
@@ -271,6 +292,11 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         values["tree"] = FP32_CPU_TREE
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
     remaining = [m * f for m, f in zip(plan.minutes[1:], slow)]  # CPU minutes: no estimate on a GPU
+    planned = dict(zip(STAGES[1:], remaining))
+    timed = plan.deadline is not None and dev.type == "cpu"
+    # a timed train stage's hash names the deadline, not the minutes it got (they depend on the hour)
+    values["time_budget"] = ("--time-budget", f"deadline-{plan.deadline}") if timed else ()
+    ran_planned, ran_seconds = 0.0, 0.0  # the pace of the stages that ran before train
     for i, stage in enumerate(STAGES[1:], start=2):
         argv_t = ARGV[stage]
         key = stage_key(stage, fill(argv_t, {**values, "out": "OUT"}), fp)
@@ -283,8 +309,14 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
             rows.append({"stage": stage, "status": "reused", "seconds": 0.0, "dir": str(sdir)})
             log.info("[%d/%d] %s: reused %s", i, len(STAGES), stage, sdir)
             continue
-        argv = fill(argv_t, {**values, "out": str(sdir)})
         elapsed = (time.perf_counter() - t_start) / 60
+        if stage == "train" and timed:
+            pace = ran_seconds / 60 / ran_planned if ran_planned > 0 else 1.0
+            budget = train_budget(plan.deadline, elapsed, planned["bench"], pace)
+            log.info("train: --time-budget %.1f min keeps the run within %.1f min (elapsed %.1f, the stages "
+                     "before ran at %.2fx their planned minutes)", budget, plan.deadline, elapsed, pace)
+            values["time_budget"] = ("--time-budget", f"{budget:.2f}")
+        argv = fill(argv_t, {**values, "out": str(sdir)})
         left = f"about {eta:.0f} min left" if dev.type == "cpu" else "no estimate on a GPU"
         log.info("[%d/%d] %s (elapsed %.1f min, %s): eyas %s", i, len(STAGES), stage, elapsed, left, " ".join(argv))
         sdir.parent.mkdir(parents=True, exist_ok=True)
@@ -294,6 +326,8 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
             raise EyasError(f"quickstart: stage {stage} failed (exit {code}); rerun `eyas {' '.join(argv)}` "
                             f"to see why, then rerun quickstart (finished stages are reused)")
         secs = time.perf_counter() - t0
+        if stage in ("data", "vocab", "capture"):
+            ran_planned, ran_seconds = ran_planned + planned[stage], ran_seconds + secs
         write_json_atomic(marker, {"stage": stage, "argv": argv, "seconds": secs, "key": key,
                                    "eyas_code": code_fingerprint()})
         rows.append({"stage": stage, "status": "ran", "seconds": round(secs, 1), "dir": str(sdir)})

@@ -73,6 +73,12 @@ def register(sub) -> None:
                    help="with --init-from: carry lm_head rows by target id when the vocabularies differ")
     p.add_argument("--resume", action="store_true", help="continue RUN from its newest checkpoint")
     p.add_argument("--max-steps", type=int, help="stop after this many optimizer steps (0: evaluate only)")
+    p.add_argument("--time-budget", type=float, metavar="MIN",
+                   help="minutes of training: the cosine schedule follows steps or time spent, whichever is "
+                   "further along, and training stops (evaluated, saved as RUN/final) when the time is spent; "
+                   "the run's end then depends on the machine's speed. Counts the optimizer loop (evaluations "
+                   "included, not loading or the last save); carried across --resume, which may change it. "
+                   "Default: none (every planned step)")
     p.add_argument("--eval-every", type=int, default=200, help="evaluate + checkpoint every S steps (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and data order (default 0)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
@@ -117,6 +123,8 @@ def _check_args(args) -> None:
         raise EyasError(f"--max-len {args.max_len} is too short; TTT needs at least 3 tokens (e.g. 2048)")
     if args.max_steps is not None and args.max_steps < 0:
         raise EyasError(f"--max-steps {args.max_steps} must be >= 0")
+    if args.time_budget is not None and not 0 < args.time_budget < math.inf:
+        raise EyasError(f"--time-budget {args.time_budget} must be a positive number of minutes; e.g. --time-budget 10")
     if not 0 <= args.warmup_ratio < 1:
         raise EyasError(f"--warmup-ratio {args.warmup_ratio} must lie in [0, 1)")
     if args.online and args.data is None:
@@ -363,7 +371,8 @@ def run_train(args) -> int:
                                max_len=args.max_len, max_steps=args.max_steps, eval_every=args.eval_every,
                                seed=args.seed, dtype=args.dtype, device=str(device), warmup_ratio=args.warmup_ratio,
                                grad_clip=args.grad_clip, weight_decay=args.weight_decay, keep_last=args.keep_last,
-                               fsdp=args.fsdp, aux_gain=args.aux_gain == "rms", align_topk=args.align_topk)
+                               fsdp=args.fsdp, aux_gain=args.aux_gain == "rms", align_topk=args.align_topk,
+                               time_budget=args.time_budget * 60 if args.time_budget else None)
     if cfg.aux_gain and args.resume and training.checkpoint_steps(args.out):
         init_info.update(_recorded_gain(args.out))  # the gain itself comes with the checkpoint's state
     elif cfg.aux_gain:
@@ -388,7 +397,8 @@ def run_train(args) -> int:
         s = {"out": str(args.out), "resumed_from": start, **getattr(trainer, "summary", {}),
              "checkpoint": str(args.out / "final"), "best": str(args.out / "best")}
         acc = " ".join(f"acc_{i}={result.get(f'acc_{i}', 0):.3f}" for i in range(args.ttt))
-        emit(args, s, f"trained {trainer.step} steps -> {args.out / 'final'}\n"
+        why = f" of {trainer.total} (--time-budget spent)" if trainer.stopped_by_time else ""
+        emit(args, s, f"trained {trainer.step} steps{why} -> {args.out / 'final'}\n"
                       f"eval: loss {result.get('loss', float('nan')):.4f}  {acc}  "
                       f"simulated acceptance length {result.get('accept_len', float('nan')):.3f}")
     if dist_.world > 1:
