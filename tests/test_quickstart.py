@@ -129,10 +129,11 @@ def test_deadline_gives_train_the_minutes_left(tiny_target, tmp_path, monkeypatc
     """With a deadline on a CPU the train stage's --time-budget is the deadline less the minutes
     elapsed, its own overhead and the bench's planned minutes at the pace the stages before it ran;
     that number depends on the hour, the stage's hash does not (a rerun reuses the trained stage)."""
-    # bf16: no fp32-on-a-CPU factors on the planned minutes
-    plan = qs.Plan(**{**PLAN.__dict__, "minutes": (0, 4, 0, 2, 8, 2), "deadline": 20.0, "dtype": "bf16"})
+    # bf16: no fp32-on-a-CPU factors on the planned minutes; data + capture planned 6 min, bench 1
+    plan = qs.Plan(**{**PLAN.__dict__, "minutes": (0, 4, 0, 2, 8, 1), "deadline": 20.0, "dtype": "bf16"})
     budgets, train_dirs = [], []
-    for name, data_min, capture_min in (("slow", 6.0, 3.0), ("fast", 2.0, 1.0), ("late", 15.0, 4.0)):
+    runs = (("slow", 6.0, 3.0), ("fast", 2.0, 1.0), ("slower", 8.0, 4.6), ("late", 15.0, 4.0))
+    for name, data_min, capture_min in runs:
         rec = TimedRecorder({"data": data_min, "capture": capture_min})
         monkeypatch.setattr(qs, "time", rec)
         result = qs.run_pipeline(str(tiny_target), tmp_path / name, plan, runner=rec)
@@ -141,9 +142,9 @@ def test_deadline_gives_train_the_minutes_left(tiny_target, tmp_path, monkeypatc
         train_dirs.append(pathlib.Path(result["stages"][4]["dir"]).name)
         again = qs.run_pipeline(str(tiny_target), tmp_path / name, plan, runner=rec)
         assert [r["status"] for r in again["stages"][1:]] == ["reused"] * 5
-    pace_slow = (6 + 3) / (4 + 2)  # the fast run's pace (0.5) counts as 0.8; the late one's (3.2) as 2
-    assert budgets == pytest.approx([20 - 9 - qs.TRAIN_STAGE_OVERHEAD - 2 * pace_slow,
-                                     20 - 3 - qs.TRAIN_STAGE_OVERHEAD - 2 * 0.8, 2.0], abs=0.01)
+    over = qs.TRAIN_STAGE_OVERHEAD
+    # paces 1.5, 0.5 (counted as 0.8), 2.1 (counted as 2); the late run gets the 2-minute floor
+    assert budgets == pytest.approx([20 - 9 - over - 1.5, 20 - 3 - over - 0.8, 20 - 12.6 - over - 2, 2.0], abs=0.01)
     # the train stage made again in the same work directory, its inputs reused (nothing ran before it:
     # pace 1): another budget, the same stage directory
     for marker in (tmp_path / "slow" / ".done").glob("*.json"):
@@ -153,7 +154,7 @@ def test_deadline_gives_train_the_minutes_left(tiny_target, tmp_path, monkeypatc
     monkeypatch.setattr(qs, "time", rec)
     result = qs.run_pipeline(str(tiny_target), tmp_path / "slow", plan, runner=rec)
     train = rec.calls[0]
-    assert train[0] == "train" and float(train[train.index("--time-budget") + 1]) == pytest.approx(20 - 0.7 - 2)
+    assert train[0] == "train" and float(train[train.index("--time-budget") + 1]) == pytest.approx(20 - over - 1)
     assert pathlib.Path(result["stages"][4]["dir"]).name == train_dirs[0]
     rec = Recorder()  # no deadline: every planned step, no flag
     qs.run_pipeline(str(tiny_target), tmp_path / "plain", PLAN, runner=rec)

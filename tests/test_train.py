@@ -149,26 +149,37 @@ class StepClock:
 
 
 def test_time_budget_ends_the_schedule_and_survives_resume(pipe, tmp_path, eyas_cli, monkeypatch):
-    """--time-budget: the cosine follows the time spent when it is further along than the steps,
+    """--time-budget: the schedule follows the time spent when it is further along than the steps,
     training stops when the budget is spent (evaluated and saved as final), and a run killed and
-    resumed ends bit-identical to an uninterrupted one (its seconds are in the checkpoint).
-    A budget never reached changes nothing."""
+    resumed ends bit-identical to an uninterrupted one (its seconds, evaluations included, are in the
+    checkpoint). A budget never reached changes nothing."""
     args = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--ttt", "2",
             "--epochs", "10", "--eval-every", "2", "--batch-tokens", "300", "--max-len", "96", "--dtype", "fp32",
             "--keep-last", "3", "--warmup-ratio", "0", "--json")
-    timed = (*args, "--time-budget", "0.1")  # 6 s of the clock: 6 steps
+    timed = (*args, "--time-budget", "0.1")  # 6 s of the clock
+    evaluate = training.Trainer.evaluate
+
+    def slow_evaluate(self):  # an evaluation takes 0.5 s of whatever clock training reads
+        training.time.t += 0.5
+        return evaluate(self)
+
+    monkeypatch.setattr(training.Trainer, "evaluate", slow_evaluate)
     clock = StepClock()
     monkeypatch.setattr(training, "time", clock)
     monkeypatch.setattr(training, "STEP_HOOKS", [clock.hook])
     code, out, err = eyas_cli("train", "--out", tmp_path / "a", *timed)
     assert code == 0, err
     s = json.loads(out)
-    assert s["step"] == 6 and s["stopped_by_time"] and s["steps_planned"] > 20, s
+    # step k starts at (k - 1) s + 0.5 s per evaluation before it: step 6 would start at 6.0 s
+    assert s["step"] == 5 and s["stopped_by_time"] and s["steps_planned"] > 20, s
     assert (tmp_path / "a" / "final" / "model.safetensors").is_file()
-    state = torch.load(tmp_path / "a" / "checkpoints" / "step-6" / training.STATE_FILE, weights_only=True)
-    assert state["train_seconds"] == 6.0
-    # the lr for step 7 was set at step 6, when 5 of the 6 s were spent (steps alone: 6 of 40+)
-    assert state["scheduler"]["_last_lr"][0] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 5 / 6)))
+    state = torch.load(tmp_path / "a" / "checkpoints" / "step-5" / training.STATE_FILE, weights_only=True)
+    assert state["train_seconds"] == 6.5  # with the last evaluation
+    # the lr for step 6 was set at step 5, when 5 of the 6 s were spent (the steps alone: 4 of 40+);
+    # warmup (1 step) is the same share of the time as of the steps
+    share = 1 / s["steps_planned"]
+    t = (5 / 6 - share) / (1 - share)
+    assert state["scheduler"]["_last_lr"][0] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * t)))
 
     clock = StepClock(kill_at=5)
     monkeypatch.setattr(training, "time", clock)
@@ -180,7 +191,7 @@ def test_time_budget_ends_the_schedule_and_survives_resume(pipe, tmp_path, eyas_
     monkeypatch.setattr(training, "STEP_HOOKS", [clock2.hook])
     code, out, err = eyas_cli("train", "--out", tmp_path / "b", "--resume", *timed)
     assert code == 0, err
-    assert json.loads(out)["resumed_from"] == 4 and json.loads(out)["step"] == 6
+    assert json.loads(out)["resumed_from"] == 4 and json.loads(out)["step"] == 5
     wa, wb = _weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final")
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
@@ -260,7 +271,10 @@ def test_ddp_two_processes_equal_one(pipe, tmp_path):
             "--ttt", "2", "--max-steps", "2", "--eval-every", "100", "--batch-tokens", "512", "--max-len", "96",
             "--dtype", "fp32", "--lr", "1e-3"]  # 512: the same batches for 1 and 2 processes (a lone leftover
     procs = []  # sample makes its own batch for 1 process but joins the previous one for 2)
-    runs = ((1, tmp_path / "one", []), (2, tmp_path / "two", []), (2, tmp_path / "fsdp", ["--fsdp"]))
+    # two processes with a time budget they never reach: the budget's all-reduce runs every step, and
+    # changes nothing
+    runs = ((1, tmp_path / "one", []), (2, tmp_path / "two", ["--time-budget", "100"]),
+            (2, tmp_path / "fsdp", ["--fsdp"]))
     for n, (procs_n, out, extra) in enumerate(runs):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs_n), "--master-port",
                str(29500 + n + os.getpid() % 500 * 3), "-m", "eyas", "train", "--out", str(out), *args, *extra]

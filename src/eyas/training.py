@@ -334,14 +334,19 @@ class Target:
 
 
 def lr_lambda(total: int, warmup: int, time_progress: Callable[[], float] | None = None) -> Callable[[int], float]:
-    """Linear warmup to 1 over `warmup` steps, then cosine to 0 at `total`; with `time_progress`
-    (share of a time budget spent, 0..1), cosine over whichever of steps and time is further along."""
+    """Linear warmup to 1 over `warmup` steps, then cosine to 0 at `total`. With `time_progress`
+    (share of a time budget spent, 0..1) the run is as far along as the further of steps and time:
+    warmup ends at `warmup` steps or the same share of the time, and the cosine follows the same."""
     def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
         prog = (step - warmup) / max(1, total - warmup)
         if time_progress is not None:
-            prog = max(prog, time_progress())
+            share = warmup / max(1, total)  # of the steps, hence of the time
+            t = time_progress()
+            if step < warmup and t < share:
+                return max((step + 1) / warmup, t / share) if share > 0 else 1.0
+            prog = max(prog, (t - share) / max(1e-9, 1 - share))
+        elif step < warmup:
+            return (step + 1) / warmup
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
     return f
 
@@ -379,6 +384,7 @@ class Trainer:
                                 (lambda: self.time_spent) if cfg.time_budget else None))
         self.step, self.epoch, self.batch_in_epoch, self.best = 0, 0, 0, -1.0
         self.stopped_by_time = False
+        self._clock = (time.perf_counter(), 0.0)  # (perf_counter, train_seconds) when run() started
         self.tb = None
         # The target's full-vocabulary argmax per sample depends on the data alone: computed in
         # the first epoch, reused after it (saves the (M, V) lm_head product, ~10% of a bf16 step).
@@ -462,12 +468,13 @@ class Trainer:
             self._open_logs()
         bar = self._bar()
         last_eval: dict = {}
-        t0, tokens, seconds0 = time.perf_counter(), 0, self.train_seconds
+        t0, tokens = time.perf_counter(), 0
+        self._clock = (t0, self.train_seconds)  # train_seconds = seconds at start + time since (_tick)
         try:
             while self.step < self.total and self.epoch < cfg.epochs and not self.stopped_by_time:
                 plan = plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, self.epoch, self.dist.world)
                 while self.batch_in_epoch < len(plan) and self.step < self.total:
-                    self.train_seconds = seconds0 + time.perf_counter() - t0
+                    self._tick()
                     if cfg.time_budget and self._out_of_time():
                         break
                     idxs = plan[self.batch_in_epoch][self.dist.rank::self.dist.world]
@@ -487,7 +494,6 @@ class Trainer:
                                    "grad_norm": r["grad_norm"], "lr": self.sched.get_last_lr()[0], "tokens_per_s": tps})
                     for hook in STEP_HOOKS:
                         hook(self.step)
-                    self.train_seconds = seconds0 + time.perf_counter() - t0  # what a checkpoint saves
                     if self.step % cfg.eval_every == 0 and self.step < self.total:
                         last_eval = self._eval_and_save()
                 if self.batch_in_epoch >= len(plan):
@@ -503,10 +509,14 @@ class Trainer:
         self._finish(last_eval, tokens / max(1e-9, time.perf_counter() - t0))
         return last_eval
 
+    def _tick(self) -> None:
+        t0, seconds0 = self._clock
+        self.train_seconds = seconds0 + time.perf_counter() - t0
+
     def _out_of_time(self) -> bool:
         """Whether the time budget is spent, by the ranks' mean training seconds (so every rank stops
-        at the same step); sets `time_spent`, which the schedule's cosine follows."""
-        seconds = self.dist.all_sum(torch.tensor([self.train_seconds], device=self.device))
+        at the same step); sets `time_spent`, which the schedule follows."""
+        seconds = self.dist.all_sum(torch.tensor([self.train_seconds], dtype=torch.float64, device=self.device))
         self.train_seconds = float(seconds[0]) / self.dist.world
         self.time_spent = min(1.0, self.train_seconds / self.cfg.time_budget)
         self.stopped_by_time = self.time_spent >= 1.0
@@ -524,6 +534,7 @@ class Trainer:
 
     def _eval_and_save(self) -> dict:
         m = self.evaluate()
+        self._tick()  # the checkpoint's seconds include its evaluation, as the running clock does
         m = {"kind": "eval", "step": self.step, "epoch": self.epoch, **m}
         self._log(m)
         if self.dist.main:

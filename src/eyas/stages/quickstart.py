@@ -185,9 +185,10 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: 15-25 min on 2 CPU cores with native bf16 (700 generated prompts; 14 to 23 min "
-                   "measured on different days of the same VM); where the stages run in fp32 on a CPU, a plan "
-                   "sized for that: 360 prompts, ~18 min on a 2-core AVX2 CPU; "
+                   help="small: about 20 min on 2 CPU cores (700 generated prompts with native bf16; where the stages "
+                   "run in fp32 on a CPU, a plan sized for that: 360 prompts): training gets what is left of 19.5 "
+                   "min after the stages before it and the bench's estimate (at least 2 min), so a slow hour "
+                   "trains fewer steps; "
                    "medium: ~75 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
                    "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
@@ -313,10 +314,13 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         if stage == "train" and timed:
             pace = ran_seconds / 60 / ran_planned if ran_planned > 0 else 1.0
             budget = train_budget(plan.deadline, elapsed, planned["bench"], pace)
-            log.info("train: --time-budget %.1f min keeps the run within %.1f min (elapsed %.1f, the stages "
+            log.info("train: --time-budget %.1f min aims the run at %.1f min (elapsed %.1f, the stages "
                      "before ran at %.2fx their planned minutes)", budget, plan.deadline, elapsed, pace)
-            values["time_budget"] = ("--time-budget", f"{budget:.2f}")
-        argv = fill(argv_t, {**values, "out": str(sdir)})
+            argv = fill(argv_t, {**values, "out": str(sdir), "time_budget": ("--time-budget", f"{budget:.2f}")})
+        else:
+            argv = fill(argv_t, {**values, "out": str(sdir)})
+        if timed:  # only training gives way to the deadline
+            eta = max(min(eta, plan.deadline - elapsed), sum(planned[s] for s in STAGES[i - 1:] if s != "train"))
         left = f"about {eta:.0f} min left" if dev.type == "cpu" else "no estimate on a GPU"
         log.info("[%d/%d] %s (elapsed %.1f min, %s): eyas %s", i, len(STAGES), stage, elapsed, left, " ".join(argv))
         sdir.parent.mkdir(parents=True, exist_ok=True)

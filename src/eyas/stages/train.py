@@ -76,9 +76,9 @@ def register(sub) -> None:
     p.add_argument("--time-budget", type=float, metavar="MIN",
                    help="minutes of training: the cosine schedule follows steps or time spent, whichever is "
                    "further along, and training stops (evaluated, saved as RUN/final) when the time is spent; "
-                   "the run's end then depends on the machine's speed. Counts the optimizer loop (evaluations "
-                   "included, not loading or the last save); carried across --resume, which may change it. "
-                   "Default: none (every planned step)")
+                   "the run's end then depends on the machine's speed. Counts the optimizer loop with its "
+                   "evaluations (not loading, the last evaluation or saving); carried across --resume, which may "
+                   "change it. Default: none (every planned step)")
     p.add_argument("--eval-every", type=int, default=200, help="evaluate + checkpoint every S steps (default 200)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and data order (default 0)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
