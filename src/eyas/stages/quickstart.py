@@ -112,6 +112,9 @@ PLANS = {
     # baselines); val acc_0 0.509; own bench tree 1.58x plain bf16 (acceptance 2.14), chain 1.44x (1.86).
     # Its data stage with bf16 decoding attention through SDPA (regenerate.gqa_attention), same hour,
     # one after the other: 6.0 -> 4.6 min (regeneration 286 -> 375 tok/s); the ETA scales 6.3 by that.
+    # With `deadline` (same day): 17.0 min on a fast hour (train 9.9 of an 11.9-min budget: every step);
+    # pinned to one core, about half the speed, 18.4 min (budget 6.4 min: 347 of 785 steps, val acc_0 0.40
+    # instead of 0.48), where it would have taken about 26.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=1600, ttt=4, batch_tokens=1024, bench_prompts=10,
                   bench_new_tokens=64, minutes=(0.2, 4.8, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL,
