@@ -115,6 +115,10 @@ class TensorSource:
             return [min(n, self.max_len) for n in s.lengths()]
         return [min(int(s[i]["input_ids"].shape[0]), self.max_len) for i in range(len(s))]
 
+    def sample_id(self, split: str, i: int):
+        s = self.splits[split]
+        return s.key(i) if hasattr(s, "key") else i
+
     def batch(self, split: str, idxs: list[int]) -> Batch:
         items = [self.splits[split][i] for i in idxs]
         L = self.max_len
@@ -124,7 +128,7 @@ class TensorSource:
                      last=_pad([it["last"][:L].float() for it in items], T),
                      input_ids=_pad([it["input_ids"][:L].long() for it in items], T),
                      loss_mask=_pad([it["loss_mask"][:L].long() for it in items], T),
-                     ids=[self.splits[split].key(i) if hasattr(self.splits[split], "key") else i for i in idxs],
+                     ids=[self.sample_id(split, i) for i in idxs],
                      keys=[(split, i) for i in idxs], tokens=sum(n))
 
 
@@ -167,6 +171,9 @@ class OnlineSource:
     def lengths(self, split: str) -> list[int]:
         return [min(len(s.input_ids), self.max_len) for s in self.splits[split]]
 
+    def sample_id(self, split: str, i: int):
+        return self.splits[split][i].id
+
     @torch.no_grad()
     def batch(self, split: str, idxs: list[int]) -> Batch:
         from eyas import targets
@@ -187,14 +194,8 @@ class OnlineSource:
 def split_fingerprint(source, split: str = "train") -> str:
     """Hash of a split's sample ids and lengths: what a checkpoint's data position indexes. Cheap
     (no features read); a copy of the same capture elsewhere has the same one."""
-    s = source.splits[split]
-    if hasattr(s, "key"):
-        ids = [s.key(i) for i in range(len(s))]
-    elif isinstance(source, OnlineSource):
-        ids = [r.id for r in s]
-    else:  # lists of tensors (tests)
-        ids = list(range(len(s)))
-    blob = json.dumps([[str(i) for i in ids], source.lengths(split)])
+    ids = [str(source.sample_id(split, i)) for i in range(len(source.splits[split]))]
+    blob = json.dumps([ids, source.lengths(split)])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
