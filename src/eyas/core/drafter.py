@@ -242,9 +242,13 @@ class Eagle3Drafter(nn.Module):
         return cos[0], sin[0]
 
     def layer(self, h: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              attend: Attend, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              attend: Attend, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+              keep: torch.Tensor | None = None) -> torch.Tensor:
         """One drafter step: state h (B,T,H) + tokens x[t+1] (B,T) -> next pre-norm state (B,T,H).
-        `rope`: (cos, sin) tables from `rope_table` to index by position_ids instead of recomputing."""
+        `rope`: (cos, sin) tables from `rope_table` to index by position_ids instead of recomputing.
+        `keep`: flat indices into B*T of the only positions whose output is wanted; every position
+        still gives its key and value, but o_proj and the MLP run on these alone, and the result
+        is (len(keep), H) (training: positions that feed no loss)."""
         if not self.embedding_loaded:
             raise RuntimeError("drafter embedding is still random: call load_target_embedding(target weight)")
         m = self.midlayer
@@ -258,8 +262,11 @@ class Eagle3Drafter(nn.Module):
             cos, sin = rope[0][position_ids], rope[1][position_ids]
         q, k, v = m.self_attn.qkv(z, cos, sin)
         o = attend(q, k, v)  # (B, nh, T, hd)
-        B, _, T, _ = o.shape
-        h = residual + m.self_attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        B, nh, T, hd = o.shape
+        o = o.transpose(1, 2).reshape(B, T, nh * hd)  # T may be 0: a training step with no position left
+        if keep is not None:
+            o, residual = o.reshape(B * T, -1)[keep], residual.reshape(B * T, -1)[keep]
+        h = residual + m.self_attn.o_proj(o)
         h = h + m.mlp(m.post_attention_layernorm(h))
         return h
 

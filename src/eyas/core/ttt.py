@@ -36,18 +36,38 @@ class TTTAttention:
     Keeps the per-step keys/values; step 0 is plain causal attention (SDPA), step i > 0
     concatenates the causal step-0 scores with i diagonal scores (q_t . k^j_t) and takes
     one softmax over both, GQA by grouping query heads (no repeated k/v copies).
+    Set `rows` before a step i > 0 whose q/k/v hold only some positions, as (1, heads, M, hd):
+    their flat indices into step 0's B*T (each step's positions within the earlier step's).
     """
 
     def __init__(self) -> None:
         self.ks: list[torch.Tensor] = []
         self.vs: list[torch.Tensor] = []
+        self.rows: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.ks:
+            self.ks.append(k)
+            self.vs.append(v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        rows = self.rows
+        if rows is not None:  # the left-out positions get zero keys: only their own slot reads them
+            B, _, T, _ = self.ks[0].shape
+            q, k, v = (_spread(x, rows, B, T) for x in (q, k, v))
         self.ks.append(k)
         self.vs.append(v)
-        if len(self.ks) == 1:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return _ttt_step(q, self.ks, self.vs)
+        o = _ttt_step(q, self.ks, self.vs)
+        if rows is None:
+            return o
+        B, nh, T, hd = o.shape
+        return o.transpose(1, 2).reshape(B * T, nh, hd)[rows].transpose(0, 1)[None]
+
+
+def _spread(x: torch.Tensor, rows: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """(1, heads, M, hd) at flat positions `rows` -> (B, heads, T, hd), zeros elsewhere."""
+    _, nh, _, hd = x.shape
+    full = x.new_zeros(B * T, nh, hd).index_copy(0, rows, x[0].transpose(0, 1))
+    return full.view(B, T, nh, hd).transpose(1, 2).contiguous()
 
 
 def _ttt_step(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
@@ -344,6 +364,18 @@ def head_soft_cross_entropy(x: torch.Tensor, w: torch.Tensor, probs: torch.Tenso
         return HeadSoftCrossEntropy.apply(x.to(dt), w.to(dt), probs, rows, chunk, topk)
 
 
+def needed_positions(table: TargetTable, steps: int) -> list[torch.Tensor]:
+    """(B, T) bool per step: index t is computed at step i iff step i or a later one has a target
+    there. A step's state at t feeds only t's later steps (attention reads step 0's keys at
+    other positions, and only t's own diagonal keys), so nothing else changes the loss:
+    prompt and padding positions skip o_proj and the MLP at step 0 and every later step."""
+    need, acc = [], torch.zeros_like(table.index, dtype=torch.bool)
+    for i in reversed(range(steps)):
+        acc = acc | (table.step_rows(i) >= 0)
+        need.append(acc)
+    return need[::-1]
+
+
 def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: TargetTable, steps: int,
                 denom: torch.Tensor | None = None, align_topk: int = 0) -> tuple[torch.Tensor, StepStats]:
     """Unroll `steps` TTT steps of `drafter` and return (loss, stats).
@@ -357,23 +389,34 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
     Metrics are unaffected.
     """
     denom = table.step_counts(steps) if denom is None else denom
+    B, T = input_ids.shape
+    dev = input_ids.device
+    need = needed_positions(table, steps)
     h = drafter.fuse(aux)  # (B, T, H)
     head = drafter.lm_head.weight.to(compute_dtype(h))  # cast once for all steps, as autocast's cache would
     attend = TTTAttention()
-    B, T = input_ids.shape
-    chain = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
-    aligned = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # reachable by top-k drafting
+    slot = torch.arange(B * T, device=dev)  # where each flat position's state is in h (steps > 0)
+    chain = torch.ones(B, T, dtype=torch.bool, device=dev)
+    aligned = torch.ones(B, T, dtype=torch.bool, device=dev)  # reachable by top-k drafting
     loss = h.new_zeros((), dtype=torch.float32)
     stats = {k: [] for k in StepStats.__dataclass_fields__}
     for i in range(steps):
         ids, pos = step_inputs(input_ids, i)
-        out = drafter.layer(h, ids, pos, attend)  # (B, T, H)
+        keep = need[i].flatten().nonzero().flatten()  # (M,) ascending: the positions this step computes
+        if i == 0:
+            out = drafter.layer(h, ids, pos, attend, keep=keep)  # (M, H)
+        else:
+            attend.rows = keep
+            h = h[slot[keep]]
+            out = drafter.layer(h[None], ids.flatten()[keep][None], pos.flatten()[keep][None], attend)[0]
+        slot[keep] = torch.arange(keep.numel(), device=dev)
         rows = table.step_rows(i)
-        valid = rows >= 0  # (B, T)
+        valid = rows >= 0  # (B, T), within need[i]
         r = rows[valid]
         iv = table.in_vocab[r] & aligned[valid] if align_topk > 0 else table.in_vocab[r]
         k = min(align_topk, head.shape[0]) if i + 1 < steps else 0
-        ce, top1, topk = head_soft_cross_entropy(drafter.norm(out[valid]), head, table.probs, r, topk=k)  # (M_i,)
+        on = valid.flatten()[keep]  # (M,): keep's positions with a target, in valid's order
+        ce, top1, topk = head_soft_cross_entropy(drafter.norm(out[on]), head, table.probs, r, topk=k)  # (M_i,)
         ce_sum = ce[iv].sum()
         if k > 0:
             top = drafter.draft_to_target(topk)
