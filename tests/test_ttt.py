@@ -236,12 +236,11 @@ def test_loss_matches_naive_reference_and_grads(prompt):
     mask[:, :prompt] = 0
     mask[1, 9 + prompt - prompt // 2:] = 0
     K = 3
+    tab = ttt.target_table(last, mask, lm, ids, d.t2d, chunk=5)
     if prompt:
-        tab = ttt.target_table(last, mask, lm, ids, d.t2d)
         need = ttt.needed_positions(tab, K)
         assert not need[0][:, : prompt - 2 - K].any() and not need[0][1, -prompt // 2 - 2:].any()
         assert need[1].sum() < need[0].sum()
-    tab = ttt.target_table(last, mask, lm, ids, d.t2d, chunk=5)
     loss, stats = ttt.ttt_forward(d, aux, x, tab, K)
     ref = naive_loss(d, aux, x, last, mask, lm, K)
     fp32 = dict(rtol=1e-5, atol=1e-6)  # the drafter runs in fp64 here, the loss in fp32 (DESIGN 6)

@@ -395,21 +395,21 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
     h = drafter.fuse(aux)  # (B, T, H)
     head = drafter.lm_head.weight.to(compute_dtype(h))  # cast once for all steps, as autocast's cache would
     attend = TTTAttention()
-    slot = torch.arange(B * T, device=dev)  # where each flat position's state is in h (steps > 0)
     chain = torch.ones(B, T, dtype=torch.bool, device=dev)
     aligned = torch.ones(B, T, dtype=torch.bool, device=dev)  # reachable by top-k drafting
     loss = h.new_zeros((), dtype=torch.float32)
     stats = {k: [] for k in StepStats.__dataclass_fields__}
     for i in range(steps):
         ids, pos = step_inputs(input_ids, i)
-        keep = need[i].flatten().nonzero().flatten()  # (M,) ascending: the positions this step computes
+        flat = need[i].flatten()
+        keep = flat.nonzero().flatten()  # (M,) ascending: the positions this step computes
         if i == 0:
             out = drafter.layer(h, ids, pos, attend, keep=keep)  # (M, H)
         else:
             attend.rows = keep
-            h = h[slot[keep]]
+            h = h[flat[prev]]  # the earlier step's states (at `prev`, a superset of keep) still needed
             out = drafter.layer(h[None], ids.flatten()[keep][None], pos.flatten()[keep][None], attend)[0]
-        slot[keep] = torch.arange(keep.numel(), device=dev)
+        prev = keep
         rows = table.step_rows(i)
         valid = rows >= 0  # (B, T), within need[i]
         r = rows[valid]
