@@ -147,6 +147,38 @@ def test_accept_greedy_walks_matching_children():
     assert spec.accept_greedy(tree, logits) == ([0, 2, 4], 9)
 
 
+def _lookup_reference(ctx: list[int], n_tokens: int) -> list[int]:
+    """Prompt lookup by start index: the latest i < len - n with ctx[i:i+n] == the last n tokens."""
+    for n in (3, 2, 1):
+        starts = [i for i in range(len(ctx) - n) if len(ctx) > n and ctx[i:i + n] == ctx[-n:]]
+        if starts:
+            return ctx[max(starts) + n:max(starts) + n + n_tokens]
+    return []
+
+
+def test_lookup_continuation_matches_a_search_by_start_index():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        ctx = torch.randint(0, 3 + trial % 6, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        assert spec.lookup_continuation(ctx, 4) == _lookup_reference(ctx, 4), ctx
+    assert spec.lookup_continuation([5, 1, 2, 3, 9, 2, 3, 7, 1, 2, 3], 3) == [9, 2, 3]  # the 3-gram wins
+    assert spec.lookup_continuation([4, 5, 6], 3) == []
+
+
+def test_graft_shares_the_held_prefix_and_hangs_the_rest_below_it():
+    tree = spec.Tree(torch.tensor([0, 4, 5, 6]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
+    g = spec.graft(tree, [4, 6, 8, 9])  # 4 -> 6 held; 8, 9 new below node 3
+    assert g.tokens.tolist() == [0, 4, 5, 6, 8, 9]
+    assert g.parents.tolist() == [-1, 0, 0, 1, 3, 4] and g.depth.tolist() == [0, 1, 1, 2, 3, 4]
+    assert spec.graft(tree, [5]) is tree and spec.graft(tree, []) is tree
+    g = spec.graft(tree, [7, 4])  # nothing shared: a new branch from the root
+    assert g.parents.tolist()[4:] == [0, 4] and g.depth.tolist()[4:] == [1, 2]
+    chain = spec.graft(spec.chain_tree(0, torch.tensor([4, 5])), [4, 5, 6])
+    assert chain.is_chain and chain.tokens.tolist() == [0, 4, 5, 6]
+    allow = spec.ancestor_matrix(g.parents)
+    assert allow[5].tolist() == [True, False, False, False, True, True]
+
+
 # ---------------------------------------------------------------- greedy identity
 
 
@@ -169,6 +201,25 @@ def test_greedy_identity_with_stubs(tiny, mode, method):
             assert sum(res.accepted) + res.steps >= len(ref)
         if mode == "wrong":
             assert set(res.accepted) == {0}
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_greedy_identity_with_a_lookup_branch(tiny, method):
+    """A drafter that is always wrong plus a prompt-lookup branch: the output is the target's
+    greedy one, and every accepted token came from the lookup branch (this random target
+    repeats itself, so lookup finds some)."""
+    model, _ = tiny
+    V = model.config.vocab_size
+    hits = 0
+    for seed in (0, 1, 2):
+        prompt = _prompt(seed)
+        ref = _hf_greedy(model, prompt, 40, eos=2)
+        stub = StubDrafter(prompt.tolist() + ref, V, "wrong", seed)
+        tr, _ = runtime.runners(model, None, runtime.Timer("cpu"))
+        res = runtime.generate(tr, stub, prompt, _settings(method, lookup=5))
+        assert res.tokens == ref
+        hits += sum(res.accepted)
+    assert hits > 0
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])
@@ -237,8 +288,9 @@ def test_draft_cutoff_stops_chains_and_prunes_trees():
 # ---------------------------------------------------------------- lossless sampling
 
 
-def _markov_step(P, Q, x, method, gen, k=2, topk=2, depth=2, cutoff=0.0):
-    """One speculative step on a Markov 'target' P[x] -> next-token probs, drafter Q[x]."""
+def _markov_step(P, Q, x, method, gen, k=2, topk=2, depth=2, cutoff=0.0, lookup=False):
+    """One speculative step on a Markov 'target' P[x] -> next-token probs, drafter Q[x]; with
+    `lookup`, a deterministic branch x+1, x+2 (mod V) grafted on, as prompt lookup adds one."""
     V = P.shape[0]
 
     class M:  # drafter over the full vocabulary whose logits depend on the node's token only
@@ -255,15 +307,18 @@ def _markov_step(P, Q, x, method, gen, k=2, topk=2, depth=2, cutoff=0.0):
         tree, qd = spec.chain_tree(x, drafts), {i + 1: q for i, q in enumerate(qs)}
     else:
         tree, qd = spec.draft_tree(M(), x, Q[x].log(), torch.zeros(1), 0, topk, depth, 5, cutoff), None
+    if lookup:
+        tree = spec.graft(tree, [(x + 1) % V, (x + 2) % V])
     path, bonus = spec.accept_sampling(tree, P[tree.tokens], qd, gen)
     return tree.tokens[path[1:]].tolist() + [bonus]
 
 
-@pytest.mark.parametrize("cutoff", [0.0, 0.3])
+@pytest.mark.parametrize("cutoff,lookup", [(0.0, False), (0.3, False), (0.0, True)])
 @pytest.mark.parametrize("method", ["chain", "tree"])
-def test_speculative_sampling_is_lossless(method, cutoff):
+def test_speculative_sampling_is_lossless(method, cutoff, lookup):
     """The first two emitted tokens follow the target's joint distribution (chi-square, 24 dof),
-    also when a draft-probability cutoff shortens chains and prunes trees."""
+    also when a draft-probability cutoff shortens chains and prunes trees, and with a
+    deterministic lookup branch grafted onto the sampled chain or the top-k tree."""
     V, trials = 5, 4000
     g = torch.Generator().manual_seed(0)
     P = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
@@ -275,7 +330,7 @@ def test_speculative_sampling_is_lossless(method, cutoff):
         out = []
         x = x0
         while len(out) < 2:
-            new = _markov_step(P, Q, x, method, gen, cutoff=cutoff)
+            new = _markov_step(P, Q, x, method, gen, cutoff=cutoff, lookup=lookup)
             out += new
             x = out[-1]
         counts[out[0], out[1]] += 1

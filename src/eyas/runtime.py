@@ -366,6 +366,7 @@ class DecodeSettings:
     k: int = 5
     tree: tuple[int, int, int] = (8, 5, 32)  # topk, depth, total tokens (root included)
     cutoff: float = 0.0  # drop drafts whose drafter path probability is below this (0: never)
+    lookup: int = 0  # add up to this many prompt-lookup tokens to each draft as one more branch (0: off)
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 128
@@ -435,7 +436,7 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
     tr.timer.reset()
     t0 = time.perf_counter()
     n = prompt.shape[0]
-    budget = s.k + 1 if s.method == "chain" else s.tree[2]  # tokens the target verifies per step
+    budget = (s.k + 1 if s.method == "chain" else s.tree[2]) + s.lookup  # tokens the target verifies per step
     # the drafter caches every expanded frontier node, not just the kept ones: topk per level
     drafted = budget if s.method == "chain" else 1 + s.tree[0] * s.tree[1]
     tr.reset(n + s.max_new_tokens + budget + 2)
@@ -443,9 +444,12 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
     logits, feats = tr.forward(prompt, torch.arange(n))
     x = _pick_target(logits[-1], s, gen)
     out, accepted = [x], []
+    context = prompt.tolist() + out  # what prompt lookup searches
     root_logits, root_state = dr.extend(feats, torch.cat([prompt[1:], torch.tensor([x])]), 0)
     while not _done(out, s):
         tree, qs = _draft(dr, x, root_logits, root_state, n, s, gen)
+        if s.lookup:  # a deterministic branch: greedy and recursive rejection both take it as is
+            tree = spec.graft(tree, spec.lookup_continuation(context, s.lookup))
         mask = None if tree.is_chain else tr.tree_mask(tree, n)
         logits, feats = tr.forward(tree.tokens, n + tree.depth, mask)
         if s.temperature <= 0:
@@ -457,6 +461,7 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
         tr.compact(n, rows)
         new = tree.tokens[rows[1:]].tolist() + [x]
         out += new
+        context += new
         accepted.append(len(path) - 1)
         dr.truncate(n)
         if not _done(out, s):

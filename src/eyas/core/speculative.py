@@ -211,6 +211,40 @@ def _select(root: int, tok, score, parent, depth, budget: int, floor: float = NE
     return Tree(tokens, torch.cat([torch.tensor([-1]), parents]), torch.cat([torch.tensor([0]), depth[keep]]).long())
 
 
+def lookup_continuation(context: list[int], n_tokens: int, max_ngram: int = 3) -> list[int]:
+    """Prompt lookup (Saxena 2023, as transformers' `prompt_lookup_num_tokens`): the up to
+    `n_tokens` tokens that followed the latest earlier occurrence of the context's last n-gram,
+    trying n = max_ngram down to 1; [] when the last token never occurred before."""
+    last = len(context) - 1
+    for n in range(min(max_ngram, last), 0, -1):
+        tail = context[-n:]
+        for end in range(last - 1, n - 2, -1):  # end: index of an earlier occurrence's last token
+            if context[end] == tail[-1] and context[end - n + 1:end + 1] == tail:
+                return context[end + 1:end + 1 + n_tokens]
+    return []
+
+
+def graft(tree: Tree, chain: list[int]) -> Tree:
+    """`tree` with `chain` (tokens after the root) added as a path from the root: the part the
+    tree already holds is shared, the rest hangs below the last shared node as new nodes after
+    the existing ones (parents still precede children)."""
+    kids, tokens = children_table(tree), tree.tokens.tolist()
+    node, j = 0, 0
+    while j < len(chain):
+        nxt = next((c for c in kids[node] if tokens[c] == chain[j]), None)
+        if nxt is None:
+            break
+        node, j = nxt, j + 1
+    rest = chain[j:]
+    if not rest:
+        return tree
+    T, r = len(tree), len(rest)
+    parents = torch.cat([torch.tensor([node]), torch.arange(T, T + r - 1)])
+    depth = int(tree.depth[node]) + 1 + torch.arange(r)
+    return Tree(torch.cat([tree.tokens, torch.tensor(rest, dtype=torch.long)]),
+                torch.cat([tree.parents, parents]), torch.cat([tree.depth, depth]))
+
+
 # ---------------------------------------------------------------- acceptance
 
 
