@@ -8,7 +8,14 @@ resolve_loss_config("kl_div", "eager"), plain AdamW loop). Both drafters are the
 with eyas's metric code on the same eval samples (speculators' via eyas's importer).
 
     python bench/bench_train_vs_speculators.py --data DATA --vocab VOCAB \
-        [--target smollm2-135m] [--ttt 3] [--seq-len 512] [--steps 20] [--dtype bf16]
+        [--target smollm2-135m] [--ttt 3] [--seq-len 512] [--steps 20] [--dtype bf16] [--compute-argmax]
+
+The features hold what `eyas capture` stores, the target's full-vocabulary argmax included
+(DESIGN 6 needs it for the out-of-vocabulary mask and acc_i; speculators' loss does not): by
+default eyas's steps read it, as `eyas train` does from an eyas capture; `--compute-argmax`
+times eyas computing it every step, as `eyas train` does in the first epoch of features that
+lack it (imported from SpecForge or speculators, or --online). The time `features` spent on
+the argmax (a capture-time cost, once per capture) is reported as `argmax_seconds`.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ import torch
 
 
 def features(target: Path, data: Path, seq_len: int, n: int, dtype: str, out: Path) -> None:
-    """Run the target once; save aux, post-norm last, pre-norm last, ids, masks (fp32)."""
+    """Run the target once; save aux, post-norm last, pre-norm last, ids, masks (fp32) and the
+    argmax where the next token is supervised (-1 elsewhere), as `eyas capture` does."""
     from eyas import targets
+    from eyas.core import ttt
     from eyas.formats.data import read_samples
 
     model, _ = targets.load(target, dtype=dtype)
@@ -37,17 +46,25 @@ def features(target: Path, data: Path, seq_len: int, n: int, dtype: str, out: Pa
     stack = targets.find_decoder_stack(model)
     pre = {}
     h = stack.norm.register_forward_pre_hook(lambda m, a: pre.__setitem__("x", a[0]))
-    rows = []
+    rows, argmax_s = [], 0.0
+    head = model.get_output_embeddings().weight
     samples = [s for s in read_samples(data, "train") + read_samples(data, "eval") if sum(s.loss_mask) > 8][:n]
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor(s.input_ids[:seq_len]).view(1, -1)
             with targets.capture_aux(model, layers) as cap:
                 stack.base(input_ids=ids)
+                mask = torch.tensor(s.loss_mask[:seq_len])
+                t0 = time.perf_counter()
+                sup = torch.zeros_like(mask, dtype=torch.bool)
+                sup[:-1] = mask[1:].bool()
+                am = torch.full_like(mask, -1)
+                am[sup] = ttt.vocab_argmax(cap.last[0][sup], head.to(cap.last.dtype))
+                argmax_s += time.perf_counter() - t0
                 rows.append({"aux": cap.aux()[0].float(), "last": cap.last[0].float(), "pre": pre["x"][0].float(),
-                             "input_ids": ids[0], "loss_mask": torch.tensor(s.loss_mask[:seq_len])})
+                             "input_ids": ids[0], "loss_mask": mask, "argmax": am})
     h.remove()
-    torch.save({"rows": rows, "layers": layers}, out)
+    torch.save({"rows": rows, "layers": layers, "argmax_seconds": argmax_s}, out)
 
 
 def run_eyas(a, feats: dict, out: Path) -> dict:
@@ -71,16 +88,13 @@ def run_eyas(a, feats: dict, out: Path) -> dict:
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
                             fused=True)  # as eyas.training does
     train, ev = feats["rows"][: a.train], feats["rows"][a.train:]
-    known = {}  # id(row) -> the target's full-vocabulary argmax, as `eyas train` keeps it after epoch 0
+    rows = ttt.head_rows(lm, tids)  # as eyas.training splits it once on a CPU
 
     def batch(r):
+        known = None if a.compute_argmax else r["argmax"][:-1][r["loss_mask"][1:].bool()]
         table = ttt.target_table(r["last"][None].to(lm.dtype), r["loss_mask"][None], lm, tids, d.t2d,
-                                 argmax=known.get(id(r)))
+                                 argmax=known, rows=rows)
         return r["aux"][None].to(ac or torch.float32), r["input_ids"][None], table
-
-    if a.known_argmax:  # untimed, once per training row: the timed steps are then those of epochs 1+
-        for r in train:
-            known[id(r)] = batch(r)[2].argmax
 
     def step(r):
         aux, ids, table = batch(r)
@@ -192,9 +206,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--random-head", action="store_true", help="eyas ablation: random lm_head init")
-    p.add_argument("--known-argmax", action="store_true",
-                   help="eyas: time steps with the target's full-vocabulary argmax already known, as `eyas train` "
-                   "has it after its first epoch (default: computed every step, as in epoch 0)")
+    p.add_argument("--compute-argmax", action="store_true",
+                   help="eyas: compute the target's full-vocabulary argmax every step, as `eyas train` does in the "
+                   "first epoch of features without it (default: read from the features, as from an eyas capture)")
     p.add_argument("--only", choices=("eyas", "speculators"), help="run one framework")
     p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
     p.add_argument("--feats", type=Path, help=argparse.SUPPRESS)
@@ -213,7 +227,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         f = Path(tmp) / "feats.pt"
         features(targets.resolve(a.target), a.data, a.seq_len, a.samples, a.dtype, f)
-        res = {}
+        res = {"argmax_seconds": torch.load(f, weights_only=True)["argmax_seconds"]}
         for which in [a.only] if a.only else ("eyas", "speculators"):
             cmd = [sys.executable, __file__, "--which", which, "--feats", str(f)] + sys.argv[1:]
             out = subprocess.run(cmd, capture_output=True, text=True)

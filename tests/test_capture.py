@@ -73,7 +73,13 @@ def test_capture_equals_direct_forward(eyas_cli, tmp_path, prepared, tiny_target
         aux, last = _reference(model, recs[i].input_ids, r.layer_ids)
         torch.testing.assert_close(t["aux"], aux, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(t["last"], last, atol=1e-5, rtol=1e-5)
-        assert torch.allclose(model.lm_head(t["last"]), model(torch.tensor([recs[i].input_ids])).logits[0], atol=1e-4)
+        logits = model(torch.tensor([recs[i].input_ids])).logits[0]
+        assert torch.allclose(model.lm_head(t["last"]), logits, atol=1e-4)
+        # the target's own argmax where the next token is supervised, -1 elsewhere
+        sup = torch.tensor(recs[i].loss_mask[1:] + [0], dtype=torch.bool)
+        assert sup.any() and not sup.all()
+        assert torch.equal(t["argmax"][sup], logits.argmax(-1)[sup]) and bool((t["argmax"][~sup] == -1).all())
+    assert r.manifest[fcap.ARGMAX_KEY] is True
     assert r.validate(prepared)["samples"] == 14
 
 
@@ -96,6 +102,7 @@ def test_wrapped_target_and_missing_layers(tmp_path, prepared, tiny_target):
     aux, last = _reference(model, recs[2].input_ids, [1, 2, 3])
     torch.testing.assert_close(r[2]["aux"], aux, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(r[2]["last"], last, atol=1e-5, rtol=1e-5)
+    assert r.manifest[fcap.ARGMAX_KEY] and int(r[2]["argmax"].max()) >= 0  # the head found inside the wrapper
     with pytest.raises(EyasError, match="language_model.model.layers"):
         scap.capture_records(torch.nn.Linear(2, 2), recs, common, scap.CaptureConfig("x", prepared, tmp_path / "x"))
 

@@ -16,6 +16,7 @@ import torch
 
 import tiny
 from eyas import training
+from eyas.formats import capture as fcap
 from eyas.cli import main
 from eyas.formats.checkpoint import read_tensors
 
@@ -241,15 +242,17 @@ def test_align_topk_trains_and_is_part_of_the_run(pipe, tmp_path, eyas_cli):
     assert code == 2 and "align_topk" in err
 
 
-def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkeypatch):
-    # After the first epoch the trainer passes each sample's cached full-vocabulary argmax;
-    # every such table must equal the one built from scratch.
+def test_captured_and_cached_target_argmax_equal_recomputed(pipe, tmp_path, eyas_cli, monkeypatch):
+    # `eyas capture` stores the target's full-vocabulary argmax, so every table, from the first
+    # step on, is built with it passed in (and without a capture holding it, epochs 2+ pass the
+    # cached one); every such table must equal the one built from scratch.
     from eyas.core import ttt
 
-    real, reused = ttt.target_table, []
+    real, reused, calls = ttt.target_table, [], []
 
     def checked(last, mask, lm_head, target_ids, t2d, chunk=1024, argmax=None, **transform):
         tab = real(last, mask, lm_head, target_ids, t2d, chunk, argmax, **transform)
+        calls.append(argmax is not None)
         if argmax is not None:
             ref = real(last, mask, lm_head, target_ids, t2d, chunk, **transform)
             assert torch.equal(tab.argmax, ref.argmax) and torch.equal(tab.probs, ref.probs)
@@ -262,7 +265,17 @@ def test_cached_target_argmax_equals_recomputed(pipe, tmp_path, eyas_cli, monkey
                             "--out", tmp_path / "run", "--ttt", "2", "--epochs", "3", "--batch-tokens", "300",
                             "--eval-every", "3", "--dtype", "fp32", "--max-len", "96")
     assert code == 0, err
-    assert reused and sum(reused) > 0  # epochs 2 and 3 (and repeated evals) used the cache
+    assert calls and all(calls) and sum(reused) > 0  # the capture's argmax, from the first step
+    # a capture without it (as imported features are): epoch 1 computes it, epochs 2+ reuse it
+    calls.clear()
+    monkeypatch.setattr(fcap.CaptureReader, "__getitem__",
+                        lambda self, i, get=fcap.CaptureReader.__getitem__: {k: v for k, v in get(self, i).items()
+                                                                            if k != "argmax"})
+    code, _, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                            "--out", tmp_path / "run2", "--ttt", "2", "--epochs", "3", "--batch-tokens", "300",
+                            "--eval-every", "3", "--dtype", "fp32", "--max-len", "96")
+    assert code == 0, err
+    assert any(calls) and not all(calls)
 
 
 def test_ddp_two_processes_equal_one(pipe, tmp_path):

@@ -465,6 +465,17 @@ def find_decoder_stack(model: torch.nn.Module) -> DecoderStack:
     )
 
 
+def output_head(model: torch.nn.Module) -> torch.Tensor | None:
+    """The target's LM head weight (V, H) (tied or not), wherever the model keeps it; None if
+    it has none that eyas can find."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        head = next((m for n, m in model.named_modules() if n.split(".")[-1] == "lm_head"), None)
+    w = getattr(head, "weight", None)
+    return w if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
 class AuxCapture:
     """Forward hooks that keep only the requested hidden states during a target forward.
 

@@ -76,6 +76,7 @@ class Batch:
     last: torch.Tensor  # (B, T, H) final-norm target states
     input_ids: torch.Tensor  # (B, T)
     loss_mask: torch.Tensor  # (B, T)
+    argmax: torch.Tensor | None = None  # (B, T) the target's full-vocabulary argmax where captured (-1 elsewhere)
     ids: list = field(default_factory=list)  # sample keys, for error messages
     keys: list = field(default_factory=list)  # (split, index) of each sample: the trainer's cache key
     tokens: int = 0  # unpadded tokens (what tokens/s counts)
@@ -128,6 +129,8 @@ class TensorSource:
                      last=_pad([it["last"][:L].float() for it in items], T),
                      input_ids=_pad([it["input_ids"][:L].long() for it in items], T),
                      loss_mask=_pad([it["loss_mask"][:L].long() for it in items], T),
+                     argmax=_pad([it["argmax"][:L].long() for it in items], T, -1)
+                     if all("argmax" in it for it in items) else None,
                      ids=[self.sample_id(split, i) for i in idxs],
                      keys=[(split, i) for i in idxs], tokens=sum(n))
 
@@ -387,8 +390,9 @@ class Trainer:
         self.stopped_by_time = False
         self._clock = (time.perf_counter(), 0.0)  # (perf_counter, train_seconds) when run() started
         self.tb = None
-        # The target's full-vocabulary argmax per sample depends on the data alone: computed in
-        # the first epoch, reused after it (saves the (M, V) lm_head product, ~10% of a bf16 step).
+        # The target's full-vocabulary argmax per sample depends on the data alone: read from the
+        # capture when it holds it (eyas capture does), else computed in the first epoch and reused
+        # after it (the (M, V) lm_head product: ~10% of a bf16 step, a third of an fp32 TTT-3 step).
         self.argmax_cache: dict[tuple, torch.Tensor] = {}
 
     def _wrap(self, module: nn.Module) -> nn.Module:
@@ -412,6 +416,13 @@ class Trainer:
         last = b.last.to(dev, self.lm_head.dtype)
         cached = [self.argmax_cache.get(k) for k in b.keys]
         known = torch.cat(cached) if cached and all(c is not None for c in cached) else None
+        if known is None and b.argmax is not None:  # captured: no product with the V - N other head rows
+            sup = torch.zeros_like(b.loss_mask, dtype=torch.bool)
+            sup[:, :-1] = b.loss_mask[:, 1:].bool()
+            known = b.argmax[sup]
+            if bool((known < 0).any()):
+                raise EyasError(f"capture of samples {b.ids}: argmax missing at a supervised position; the "
+                                "capture does not match its own loss masks: recapture")
         table = ttt.target_table(last, mask, self.lm_head, self.target_ids, self.drafter.t2d, self.cfg.target_chunk,
                                  argmax=known, logit_scale=self.target.logit_scale, softcap=self.target.softcap,
                                  rows=self.head_rows)

@@ -256,6 +256,15 @@ def _full_argmax(s: torch.Tensor, draft_logits: torch.Tensor, w_rest: torch.Tens
     return top
 
 
+@torch.no_grad()
+def vocab_argmax(states: torch.Tensor, weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Full-vocabulary argmax (M,) long of `states` (M, H) @ `weight` (V, H).T, `chunk` rows at a
+    time (never (M, V) at once), in the states' dtype; ties go to the lower id. What capture
+    stores so that training never needs the V - N rows of the head (`target_table(argmax=)`)."""
+    found = [row_max(states[a:a + chunk] @ weight.T)[1] for a in range(0, states.shape[0], chunk)]
+    return torch.cat(found) if found else torch.zeros(0, dtype=torch.long, device=states.device)
+
+
 def row_max(z: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """`z.max(-1)` of a 2-d `z` (values, first index of each row's maximum) through block
     maxima: on a CPU `amax` is vectorised and max-with-index is not (256 x 8192 fp32: 0.64 ms

@@ -5,7 +5,10 @@ of prepared data that capture and vocab need.
 A shard `shard-KKKKK.safetensors` holds the samples of one contiguous run of sample
 indices, concatenated along tokens: `aux` [sum T, n_aux*H], `last` [sum T, H] (output of
 the target's final norm: target logits = lm_head(last)), `input_ids` int32 [sum T],
-`loss_mask` uint8 [sum T]. The manifest gives each sample's (shard, offset, length,
+`loss_mask` uint8 [sum T], and, when the manifest says `target_argmax: true` (every
+`eyas capture` since 2026-12-03; imported features lack it), `argmax` int32 [sum T]: the
+target's full-vocabulary argmax of lm_head(last) at each position whose next token is
+supervised, -1 elsewhere. The manifest gives each sample's (shard, offset, length,
 split) and each shard's sha256. Shards appear under their final name only when complete
 (temp name, fsync, rename); the manifest is written last.
 """
@@ -28,7 +31,8 @@ VERSION = 1
 LAST_STATE = "post_final_norm"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 NAME_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
-ID_BYTES, MASK_BYTES = 4, 1  # int32 ids, uint8 mask on disk
+ID_BYTES, MASK_BYTES, ARGMAX_BYTES = 4, 1, 4  # int32 ids, uint8 mask, int32 argmax on disk
+ARGMAX_KEY = "target_argmax"  # manifest flag: shards hold `argmax`
 
 
 def shard_name(k: int) -> str:
@@ -36,8 +40,8 @@ def shard_name(k: int) -> str:
 
 
 def bytes_per_token(hidden: int, n_aux: int, dtype: torch.dtype) -> int:
-    """Disk bytes per captured token: aux + last states, id and mask."""
-    return (n_aux + 1) * hidden * torch.empty((), dtype=dtype).element_size() + ID_BYTES + MASK_BYTES
+    """Disk bytes per captured token: aux + last states, id, mask and argmax."""
+    return (n_aux + 1) * hidden * torch.empty((), dtype=dtype).element_size() + ID_BYTES + MASK_BYTES + ARGMAX_BYTES
 
 
 def sha256_file(path: Path) -> str:
@@ -177,7 +181,8 @@ def read_manifest(root: Path) -> dict:
 
 
 class CaptureReader:
-    """Random access to captured samples: `reader[i] -> dict(aux, last, input_ids, loss_mask)`.
+    """Random access to captured samples: `reader[i] -> dict(aux, last, input_ids, loss_mask)`
+    (+ `argmax` long when the capture holds it).
 
     Shards are opened once (safetensors `safe_open`, memory-mapped) and kept open. With
     `verify=True` each shard's sha256 is checked the first time it is opened; `validate()`
@@ -195,6 +200,7 @@ class CaptureReader:
         self.dtype: torch.dtype = NAME_DTYPES[self.manifest["dtype"]]
         self.target_fingerprint: str = self.manifest["target_fingerprint"]
         self.samples: list[dict] = self.manifest["samples"]
+        self.keys = ("aux", "last", "input_ids", "loss_mask") + (("argmax",) if self.manifest.get(ARGMAX_KEY) else ())
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -236,13 +242,15 @@ class CaptureReader:
         a, b = s["offset"], s["offset"] + s["length"]
         path = self.root / s["shard"]
         try:
-            out = {k: h.get_slice(k)[a:b] for k in ("aux", "last", "input_ids", "loss_mask")}
+            out = {k: h.get_slice(k)[a:b] for k in self.keys}
         except Exception as e:
             raise EyasError(f"capture shard {path}: sample {i} cannot be read ({e}); delete the shard and "
                             "rerun the same `eyas capture` command") from e
         self._check(i, out, path)
         out["input_ids"] = out["input_ids"].long()
         out["loss_mask"] = out["loss_mask"].long()
+        if "argmax" in out:
+            out["argmax"] = out["argmax"].long()
         return out
 
     def loss_mask(self, i: int) -> torch.Tensor:
@@ -252,11 +260,17 @@ class CaptureReader:
 
     def _check(self, i: int, t: dict, path: Path) -> None:
         T, H, n = self.samples[i]["length"], self.hidden_size, len(self.layer_ids)
-        want = {"aux": (T, n * H), "last": (T, H), "input_ids": (T,), "loss_mask": (T,)}
-        for k, shape in want.items():
+        want = {"aux": (T, n * H), "last": (T, H), "input_ids": (T,), "loss_mask": (T,), "argmax": (T,)}
+        for k, shape in ((k, want[k]) for k in self.keys):
             if tuple(t[k].shape) != shape:
                 raise EyasError(f"capture shard {path}: sample {i} {k} has shape {tuple(t[k].shape)}, expected "
                                 f"{shape}; delete the shard and rerun the same `eyas capture` command")
+        if "argmax" in t:
+            want_set = torch.zeros(T, dtype=torch.bool)
+            want_set[:-1] = t["loss_mask"][1:].bool()
+            if not torch.equal(t["argmax"] >= 0, want_set):
+                raise EyasError(f"capture shard {path}: sample {i} argmax is not set exactly where the next token is "
+                                "supervised; delete the shard and rerun the same `eyas capture` command")
         for k in ("aux", "last"):
             if t[k].dtype != self.dtype:
                 raise EyasError(f"capture shard {path}: {k} dtype {t[k].dtype} differs from the manifest's "

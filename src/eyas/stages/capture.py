@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from eyas import targets
+from eyas.core import ttt
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
 from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
@@ -221,13 +222,19 @@ def prepare_out(out: Path, pid: str, force: bool) -> None:
 
 
 class Forward:
-    """Runs the target's decoder stack (no LM head: no full-vocab logits) on padded batches
-    and returns per-sample aux states, final-norm states and, if asked, the pre-norm
-    output of the last layer (what speculators stores)."""
+    """Runs the target's decoder stack on padded batches and returns per-sample aux states,
+    final-norm states, the target's full-vocabulary argmax where a loss reads it (`argmax`
+    int32, -1 at positions whose next token is not supervised; only when the LM head is found)
+    and, if asked, the pre-norm output of the last layer (what speculators stores).
+
+    The argmax is the one product with the whole LM head that training needs (DESIGN 6: the
+    out-of-vocabulary mask and acc_i): computed here once per capture, it is not recomputed by
+    every training run from the stored states (a 49k x 576 product per token on SmolLM2)."""
 
     def __init__(self, model: torch.nn.Module, layer_ids: list[int], device: torch.device, prenorm: bool):
         self.stack = targets.find_decoder_stack(model)
         self.layer_ids, self.device = layer_ids, device
+        self.head = targets.output_head(model)
         self._ctx = targets.capture_aux(model, layer_ids)
         self.cap = self._ctx.__enter__()
         self.pre: torch.Tensor | None = None
@@ -242,20 +249,30 @@ class Forward:
         self._ctx.__exit__(None, None, None)
 
     @torch.no_grad()
-    def __call__(self, seqs: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    def __call__(self, seqs: list[list[int]], loss_masks: list[list[int]]) -> list[dict[str, torch.Tensor]]:
         T = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), T, dtype=torch.long)
         mask = torch.zeros(len(seqs), T, dtype=torch.long)
-        for b, s in enumerate(seqs):  # right padding; padded positions are never stored
+        sup = torch.zeros(len(seqs), T, dtype=torch.bool)  # position t predicts a supervised token t+1
+        for b, (s, m) in enumerate(zip(seqs, loss_masks)):  # right padding; padded positions are never stored
             ids[b, : len(s)] = torch.tensor(s)
             mask[b, : len(s)] = 1
+            sup[b, : len(s) - 1] = torch.tensor(m[1:], dtype=torch.bool)
         self.cap.clear()
         self.stack.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
         aux, last = self.cap.aux(), self.cap.last  # (B, T, n*H), (B, T, H)
+        argmax = None
+        if self.head is not None:
+            argmax = torch.full((len(seqs), T), -1, dtype=torch.int32)
+            sup_d = sup.to(last.device)
+            chunk = 256 if last.device.type == "cpu" else 8192  # rows of (chunk, V) logits at a time
+            argmax[sup] = ttt.vocab_argmax(last[sup_d], self.head.to(last.dtype), chunk).to(torch.int32).cpu()
         out = []
         for b, s in enumerate(seqs):
             n = len(s)
             row = {"aux": aux[b, :n].cpu(), "last": last[b, :n].cpu()}
+            if argmax is not None:
+                row["argmax"] = argmax[b, :n]
             if self.pre is not None:
                 row["pre"] = self.pre[b, :n].cpu()
             out.append(row)
@@ -266,12 +283,15 @@ class Forward:
 
 
 def _shard_tensors(rows: list[dict], records: list) -> dict[str, torch.Tensor]:
-    return {
+    out = {
         "aux": torch.cat([r["aux"] for r in rows]),
         "last": torch.cat([r["last"] for r in rows]),
         "input_ids": torch.tensor([t for rec in records for t in rec.input_ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for rec in records for m in rec.loss_mask], dtype=torch.uint8),
     }
+    if all("argmax" in r for r in rows):
+        out["argmax"] = torch.cat([r["argmax"] for r in rows])
+    return out
 
 
 def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[int],
@@ -377,15 +397,17 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
                     device: torch.device = torch.device("cpu")) -> dict:
     """Capture `records` with an already loaded `model` (any wrapper whose decoder stack
     `targets.find_decoder_stack` finds) into `cfg.out`; resumable."""
+    speculators = cfg.format == "speculators"
+    fwd = Forward(model, common["layer_ids"], device, prenorm=speculators)  # fails fast: no layers found
+    if fwd.head is not None:
+        common = {**common, fcap.ARGMAX_KEY: True}
     lengths = [len(r.input_ids) for r in records]
     dtype = targets.parse_dtype(common["dtype"])
     bpt = fcap.bytes_per_token(common["hidden_size"], len(common["layer_ids"]), dtype)
     shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 1_000_000))
     pid = plan_id(common, shards)
     mine = [k for k in range(len(shards)) if k % cfg.num_shards == cfg.shard_index]
-    speculators = cfg.format == "speculators"
     need = sum(lengths[i] for k in mine for i in shards[k]) * bpt * (2 if speculators else 1)
-    fwd = Forward(model, common["layer_ids"], device, prenorm=speculators)  # fails fast: no layers found
     spec_dir = cfg.out / "speculators" if speculators else None
     try:
         check_disk(cfg.out, need, cfg.force)
@@ -394,7 +416,8 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
         def produce(idx: list[int], tick: Callable[[int], object]) -> list[dict]:
             got: dict[int, dict] = {}
             for batch in plan_batches(idx, lengths, cfg.batch_tokens):
-                got.update(zip(batch, fwd([records[i].input_ids for i in batch])))
+                got.update(zip(batch, fwd([records[i].input_ids for i in batch],
+                                          [records[i].loss_mask for i in batch])))
                 tick(sum(lengths[i] for i in batch))
             return [got[i] for i in idx]
 
