@@ -120,6 +120,10 @@ class TensorSource:
         s = self.splits[split]
         return s.key(i) if hasattr(s, "key") else i
 
+    def argmax_stored(self) -> bool:
+        """Every sample of every split comes with the target's argmax (captures that store it)."""
+        return all(getattr(s, "argmax_stored", lambda: False)() for s in self.splits.values())
+
     def batch(self, split: str, idxs: list[int]) -> Batch:
         items = [self.splits[split][i] for i in idxs]
         L = self.max_len
@@ -151,6 +155,9 @@ class CaptureSplit:
 
     def lengths(self) -> list[int]:
         return [int(r.samples[j]["length"]) for r, j in self.idx]
+
+    def argmax_stored(self) -> bool:
+        return all("argmax" in r.keys for r, _ in self.idx)
 
     def loss_masks(self):
         return (r.loss_mask(j) for r, j in self.idx)
@@ -368,7 +375,9 @@ class Trainer:
         # split once (draft rows, other rows): on a CPU the per-batch gather (41k of SmolLM2's rows, epoch 0)
         # made epoch-0 steps 1.13-1.15x slower (quickstart small, bf16, one thread, two alternating runs each:
         # 1.80 / 1.51 s vs 1.60 / 1.31 s per step); on a GPU it is cheap and a second copy of a large head is not
-        self.head_rows = ttt.head_rows(self.lm_head, self.target_ids) if self.device.type == "cpu" else None
+        # without the other rows (~100 MB of SmolLM2's head in fp32) when every sample brings its argmax
+        rest = not getattr(source, "argmax_stored", lambda: False)()
+        self.head_rows = ttt.head_rows(self.lm_head, self.target_ids, rest) if self.device.type == "cpu" else None
         self.module = self._wrap(TTTModule(drafter, cfg.ttt, self.autocast, cfg.align_topk))
         params = [p for p in drafter.parameters() if p.requires_grad]
         self.params = params
