@@ -58,7 +58,8 @@ def register(sub) -> None:
         "capture", help="store the target's aux + final hidden states for offline training",
         description="Run the target over prepared samples (both splits) and store per token the "
         "concatenated aux states [T, 3H] at --layers (HF hidden_states index) and the final-norm output "
-        "[T, H] as safetensors shards + manifest.json. Rerun the same command to resume after a kill. "
+        "[T, H], with the target's full-vocabulary argmax where the next token is supervised (training's "
+        "out-of-vocabulary mask), as safetensors shards + manifest.json. Rerun the same command to resume after a kill. "
         "Actions: `merge` joins part captures, `import` converts speculators/SpecForge features, "
         "`validate` checks a capture.")
     p.add_argument("--target", help="built-in name or local HF directory")
