@@ -56,8 +56,7 @@ def features(target: Path, data: Path, seq_len: int, n: int, dtype: str, out: Pa
                 stack.base(input_ids=ids)
                 mask = torch.tensor(s.loss_mask[:seq_len])
                 t0 = time.perf_counter()
-                sup = torch.zeros_like(mask, dtype=torch.bool)
-                sup[:-1] = mask[1:].bool()
+                sup = ttt.predicts_supervised(mask)
                 am = torch.full_like(mask, -1)
                 am[sup] = ttt.vocab_argmax(cap.last[0][sup], head.to(cap.last.dtype))
                 argmax_s += time.perf_counter() - t0
@@ -91,7 +90,7 @@ def run_eyas(a, feats: dict, out: Path) -> dict:
     rows = ttt.head_rows(lm, tids)  # as eyas.training splits it once on a CPU
 
     def batch(r):
-        known = None if a.compute_argmax else r["argmax"][:-1][r["loss_mask"][1:].bool()]
+        known = None if a.compute_argmax else r["argmax"][ttt.predicts_supervised(r["loss_mask"])]
         table = ttt.target_table(r["last"][None].to(lm.dtype), r["loss_mask"][None], lm, tids, d.t2d,
                                  argmax=known, rows=rows)
         return r["aux"][None].to(ac or torch.float32), r["input_ids"][None], table

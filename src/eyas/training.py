@@ -426,9 +426,7 @@ class Trainer:
         cached = [self.argmax_cache.get(k) for k in b.keys]
         known = torch.cat(cached) if cached and all(c is not None for c in cached) else None
         if known is None and b.argmax is not None:  # captured: no product with the V - N other head rows
-            sup = torch.zeros_like(b.loss_mask, dtype=torch.bool)
-            sup[:, :-1] = b.loss_mask[:, 1:].bool()
-            known = b.argmax[sup]
+            known = b.argmax[ttt.predicts_supervised(b.loss_mask)]
             if bool((known < 0).any()):
                 raise EyasError(f"capture of samples {b.ids}: argmax missing at a supervised position; the "
                                 "capture does not match its own loss masks: recapture")

@@ -183,6 +183,13 @@ def head_rows(lm_head: torch.Tensor, target_ids: torch.Tensor, rest: bool = True
     return HeadRows(lm_head[target_ids], lm_head.index_select(0, rest_ids), rest_ids)
 
 
+def predicts_supervised(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Bool mask (..., T): position t predicts a supervised token t+1 (a loss and its argmax read it)."""
+    sup = torch.zeros(loss_mask.shape, dtype=torch.bool, device=loss_mask.device)
+    sup[..., :-1] = loss_mask[..., 1:].bool()
+    return sup
+
+
 @torch.no_grad()
 def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Tensor, target_ids: torch.Tensor,
                  t2d: torch.Tensor, chunk: int | None = None, argmax: torch.Tensor | None = None,
@@ -201,8 +208,7 @@ def target_table(last: torch.Tensor, loss_mask: torch.Tensor, lm_head: torch.Ten
     to the lower target id, as a full-vocabulary argmax does): the other rows only need their
     maximum (`amax`, no index, no fp32 copy), and their index only where they win."""
     B, T, _ = last.shape
-    sup = torch.zeros(B, T, dtype=torch.bool, device=last.device)
-    sup[:, :-1] = loss_mask[:, 1:].bool()
+    sup = predicts_supervised(loss_mask.to(last.device))
     index = torch.full((B, T), -1, dtype=torch.long, device=last.device)
     M = int(sup.sum())
     index[sup] = torch.arange(M, device=last.device)

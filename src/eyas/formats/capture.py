@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.ttt import predicts_supervised
 from eyas.errors import EyasError
 from eyas.formats import checkpoint as ckpt_io
 
@@ -266,9 +267,7 @@ class CaptureReader:
                 raise EyasError(f"capture shard {path}: sample {i} {k} has shape {tuple(t[k].shape)}, expected "
                                 f"{shape}; delete the shard and rerun the same `eyas capture` command")
         if "argmax" in t:
-            want_set = torch.zeros(T, dtype=torch.bool)
-            want_set[:-1] = t["loss_mask"][1:].bool()
-            if not torch.equal(t["argmax"] >= 0, want_set):
+            if not torch.equal(t["argmax"] >= 0, predicts_supervised(t["loss_mask"])):
                 raise EyasError(f"capture shard {path}: sample {i} argmax is not set exactly where the next token is "
                                 "supervised; delete the shard and rerun the same `eyas capture` command")
         for k in ("aux", "last"):

@@ -254,11 +254,12 @@ class Forward:
         T = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), T, dtype=torch.long)
         mask = torch.zeros(len(seqs), T, dtype=torch.long)
-        sup = torch.zeros(len(seqs), T, dtype=torch.bool)  # position t predicts a supervised token t+1
+        loss = torch.zeros(len(seqs), T, dtype=torch.long)
         for b, (s, m) in enumerate(zip(seqs, loss_masks)):  # right padding; padded positions are never stored
             ids[b, : len(s)] = torch.tensor(s)
             mask[b, : len(s)] = 1
-            sup[b, : len(s) - 1] = torch.tensor(m[1:], dtype=torch.bool)
+            loss[b, : len(s)] = torch.tensor(m)
+        sup = ttt.predicts_supervised(loss)
         self.cap.clear()
         self.stack.base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False)
         aux, last = self.cap.aux(), self.cap.last  # (B, T, n*H), (B, T, H)
