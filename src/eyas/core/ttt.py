@@ -408,12 +408,8 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
     dev = input_ids.device
     need = needed_positions(table, steps)
     h = drafter.fuse(aux)  # (B, T, H)
-    head = drafter.lm_head.weight.to(compute_dtype(h))  # cast once for all steps, as autocast's cache would
     attend = TTTAttention()
-    chain = torch.ones(B, T, dtype=torch.bool, device=dev)
-    aligned = torch.ones(B, T, dtype=torch.bool, device=dev)  # reachable by top-k drafting
-    loss = h.new_zeros((), dtype=torch.float32)
-    stats = {k: [] for k in StepStats.__dataclass_fields__}
+    normed, rows, valids = [], [], []
     for i in range(steps):
         ids, pos = step_inputs(input_ids, i)
         flat = need[i].flatten()
@@ -425,21 +421,36 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
             h = h[flat[prev]]  # the earlier step's states (at `prev`, a superset of keep) still needed
             out = drafter.layer(h[None], ids.flatten()[keep][None], pos.flatten()[keep][None], attend)[0]
         prev = keep
-        rows = table.step_rows(i)
-        valid = rows >= 0  # (B, T), within need[i]
-        r = rows[valid]
-        iv = table.in_vocab[r] & aligned[valid] if align_topk > 0 else table.in_vocab[r]
-        k = min(align_topk, head.shape[0]) if i + 1 < steps else 0
+        r = table.step_rows(i)
+        valid = r >= 0  # (B, T), within need[i]
         on = valid.flatten()[keep]  # (M,): keep's positions with a target, in valid's order
-        ce, top1, topk = head_soft_cross_entropy(drafter.norm(out[on]), head, table.probs, r, topk=k)  # (M_i,)
+        normed.append(drafter.norm(out[on]))
+        rows.append(r[valid])
+        valids.append(valid)
+        h = drafter.next_input(out)
+    # every step's states through the head in one call: one weight-gradient product over all
+    # steps' rows, not one per step (on a CPU, fp32, one sample of ~160 rows per batch: that
+    # product at 47 -> 110 GFLOPS, the whole step 1.05-1.07x faster)
+    head = drafter.lm_head.weight.to(compute_dtype(normed[0]))
+    n_top = min(align_topk, head.shape[0])
+    ce_all, top_all, topk_all = head_soft_cross_entropy(torch.cat(normed), head, table.probs, torch.cat(rows),
+                                                        topk=n_top)
+    sizes = [len(r) for r in rows]
+    chain = torch.ones(B, T, dtype=torch.bool, device=dev)
+    aligned = torch.ones(B, T, dtype=torch.bool, device=dev)  # reachable by top-k drafting
+    loss = ce_all.new_zeros(())
+    stats = {k: [] for k in StepStats.__dataclass_fields__}
+    for i, (ce, top1, topk, r, valid) in enumerate(zip(ce_all.split(sizes), top_all.split(sizes),
+                                                        topk_all.split(sizes), rows, valids)):
+        iv = table.in_vocab[r] & aligned[valid] if align_topk > 0 else table.in_vocab[r]
         ce_sum = ce[iv].sum()
-        if k > 0:
+        if n_top > 0 and i + 1 < steps:
             top = drafter.draft_to_target(topk)
-            hit = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
+            hit = torch.zeros(B, T, dtype=torch.bool, device=dev)
             hit[valid] = (top == shift_left(input_ids, 2 + i)[valid][:, None]).any(-1)
             aligned = aligned & hit
         loss = loss + (STEP_WEIGHT ** i) * ce_sum / denom[i].clamp(min=1)
-        right = torch.zeros(B, T, dtype=torch.bool, device=valid.device)
+        right = torch.zeros(B, T, dtype=torch.bool, device=dev)
         right[valid] = drafter.draft_to_target(top1) == table.argmax[r]
         chain = chain & valid
         stats["loss_sum"].append(ce_sum.detach())
@@ -449,7 +460,6 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
         stats["chain_n"].append(chain.sum())
         chain = chain & right
         stats["chain_correct"].append(chain.sum())
-        h = drafter.next_input(out)
     return loss, StepStats(**{k: torch.stack(v).double() for k, v in stats.items()})
 
 
