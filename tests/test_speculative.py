@@ -492,7 +492,7 @@ def test_first_draft_gap_matches_training_scoring_and_catches_a_serving_bug(tiny
     results = {"chain": []}
     for p in prompts:
         r = runtime.generate(tr, dr, p["ids"], s)
-        results["chain"].append({"tokens": r.tokens, "accepted": r.accepted})
+        results["chain"].append({"tokens": r.tokens, "accepted": r.accepted, "first_drafts": r.first_drafts})
     seq = torch.cat([prompts[0]["ids"], torch.tensor(results["chain"][0]["tokens"])])
     with torch.no_grad(), targets.capture_aux(model, list(trained.cfg.aux_layer_ids)) as cap:
         model(seq[None])
@@ -504,7 +504,16 @@ def test_first_draft_gap_matches_training_scoring_and_catches_a_serving_bug(tiny
     g = first_draft_gap(tr, dr, prompts, results, ["plain", "chain"], s, {"acc_0": 0.5})["chain"]
     assert g["agreement"] == 1.0 and g["served_first"] == g["tf_at_steps"]
     assert 0.2 < g["served_first"] < 1.0 and g["tf_all"] >= g["tf_at_steps"], g
-    assert g["val_acc_0"] == 0.5 and g["out_of_vocab"] == 0.0
+    assert g["val_acc_0"] == 0.5 and g["out_of_vocab"] == 0.0 and g["proposed"] == 1.0
+
+    # a prompt-lookup branch can be accepted where the drafter's own first draft was wrong, and a
+    # draft cutoff can leave a right but unsure first draft unproposed: neither is a serving bug
+    for kw in ({"lookup": 4}, {"cutoff": 0.6}):
+        other = {"chain": [runtime.generate(tr, dr, p["ids"], _settings("chain", **kw)).__dict__ for p in prompts]}
+        o = first_draft_gap(tr, dr, prompts, other, ["chain"], s, None)["chain"]
+        assert o["agreement"] == 1.0, (kw, o)
+        if "cutoff" in kw:
+            assert 0.0 < o["proposed"] < 1.0, o
 
     extend = dr.extend  # a serving bug: the committed features come zeroed (training saw real ones)
     dr.extend = lambda feats, tokens, start, every=False: extend(feats if every else feats * 0, tokens, start, every)

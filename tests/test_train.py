@@ -302,6 +302,9 @@ def test_ddp_two_processes_equal_one(pipe, tmp_path):
     e2 = [m for m in _metrics(tmp_path / "two") if m["kind"] == "eval"][-1]
     assert e1["positions"] == e2["positions"]
     assert e1["loss"] == pytest.approx(e2["loss"], rel=1e-4)
+    # the logged training loss is the global batch's under every layout (not rank 0's share)
+    t1, t2, t3 = ([m["loss"] for m in _metrics(tmp_path / r) if m["kind"] == "train"] for r in ("one", "two", "fsdp"))
+    assert t1 and t1 == pytest.approx(t2, rel=1e-4) and t1 == pytest.approx(t3, rel=1e-4)
 
 
 def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
@@ -329,6 +332,13 @@ def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
     shutil.copytree(a, b)  # b = a crashed right after its step-2 checkpoint
     for gone in [f"checkpoints/step-{s}" for s in steps[1:]] + ["final", "best"]:
         shutil.rmtree(b / gone)
+    c = tmp_path / "c"
+    shutil.copytree(b, c)
+    # resumed by one process: its batch plan and global batch would differ, refused with the fix
+    p = subprocess.run([sys.executable, "-m", "eyas", "train", "--out", str(c), *args, "--resume"], env=env,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
+    assert p.returncode == 2 and "--nproc-per-node 2" in p.stderr and p.stderr.count("\n") == 1, p.stderr[-2000:]
+    assert training.checkpoint_steps(c) == [2] and not (c / "final").exists()
     torchrun(b, "--resume")
     wa, wb = _weights(a / "final"), _weights(b / "final")
     for k in wa:

@@ -378,6 +378,9 @@ class DecodeSettings:
 class DecodeResult:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # accepted drafts per verification step
+    # per step, the drafter's own first draft (target id; -1 when the cutoff proposed none), before
+    # any prompt-lookup branch: what `eyas bench` compares with the teacher-forced guess
+    first_drafts: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     target_s: float = 0.0
     drafter_s: float = 0.0
@@ -396,7 +399,8 @@ def _finish(tokens: list[int], s: DecodeSettings) -> list[int]:
 
 
 def _done(tokens: list[int], s: DecodeSettings) -> bool:
-    return len(tokens) >= s.max_new_tokens or any(t in s.eos_ids for t in tokens[-(s.k + 64):])
+    most = max(s.k, s.tree[2]) + s.lookup + 1  # the most tokens one verification step adds
+    return len(tokens) >= s.max_new_tokens or any(t in s.eos_ids for t in tokens[-most:])
 
 
 def _pick_target(logits: torch.Tensor, s: DecodeSettings, gen) -> int:
@@ -443,11 +447,12 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
     dr.reset(n + s.max_new_tokens + drafted + 2)
     logits, feats = tr.forward(prompt, torch.arange(n))
     x = _pick_target(logits[-1], s, gen)
-    out, accepted = [x], []
+    out, accepted, firsts = [x], [], []
     context = prompt.tolist() + out  # what prompt lookup searches
     root_logits, root_state = dr.extend(feats, torch.cat([prompt[1:], torch.tensor([x])]), 0)
     while not _done(out, s):
         tree, qs = _draft(dr, x, root_logits, root_state, n, s, gen)
+        firsts.append(int(tree.tokens[1]) if tree.tokens.shape[0] > 1 else -1)
         if s.lookup:  # a deterministic branch: greedy and recursive rejection both take it as is
             tree = spec.graft(tree, spec.lookup_continuation(context, s.lookup))
         mask = None if tree.is_chain else tr.tree_mask(tree, n)
@@ -467,7 +472,7 @@ def generate_speculative(tr: TargetRunner, dr, prompt: torch.Tensor, s: DecodeSe
         if not _done(out, s):
             root_logits, root_state = dr.extend(feats[rows.to(feats.device)], torch.tensor(new), n)
         n += len(path)
-    return DecodeResult(_finish(out, s), accepted, wall_s=time.perf_counter() - t0, **_split(tr.timer))
+    return DecodeResult(_finish(out, s), accepted, firsts, wall_s=time.perf_counter() - t0, **_split(tr.timer))
 
 
 @torch.inference_mode()
@@ -564,6 +569,15 @@ def drafter_from_reading(reading, target_model, dtype: torch.dtype = torch.float
     missing ones keep a (seeded) random init, d2t is read as that engine reads it, aux
     states are captured at the engine's layer ids or not at all."""
     emb = target_model.get_input_embeddings().weight
+    cfg, (V, H) = reading.config, emb.shape
+    for what, mine, theirs in (("vocab_size", cfg.vocab_size, V), ("target_hidden_size", cfg.target_hidden_size, H)):
+        if mine != theirs:  # the engine would not load it beside this target either
+            raise EyasError(f"--engine {reading.engine}: the drafter's {what} is {mine}, the target's {theirs}; "
+                            "pass the drafter trained for this target")
+    n_aux, fc_in = len(reading.aux_layer_ids_hf or []), len(cfg.aux_layer_ids) * cfg.target_hidden_size
+    if reading.use_aux and n_aux * H != fc_in:  # the engine's first draft step would fail on fc
+        raise EyasError(f"--engine {reading.engine}: it captures {n_aux} aux layers x {H}, fc takes {fc_in}; "
+                        "pass the drafter trained for this target")
     torch.manual_seed(seed)
     d = Eagle3Drafter(reading.config)
     own = d.state_dict()

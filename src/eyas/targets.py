@@ -185,6 +185,14 @@ def validate_dir(path: Path) -> dict:
     return cfg
 
 
+def local_dir(spec: str | None) -> Path | None:
+    """Where target `spec` lives (or will) on disk, converting nothing: what `--force` on an
+    `--out` must never replace."""
+    if not spec:
+        return None
+    return eyas_home() / "targets" / BUILTIN[spec]["dirname"] if spec in BUILTIN else Path(spec).expanduser()
+
+
 def fetch_builtin(name: str) -> Path:
     """Convert a built-in GGUF target once into a cached HF directory (atomic)."""
     spec = BUILTIN[name]

@@ -445,7 +445,10 @@ class Trainer:
         denom = self.dist.all_sum(table.step_counts(self.cfg.ttt))  # global loss positions per step
         self.opt.zero_grad(set_to_none=True)
         loss, stats = self.module(aux, ids, table, denom, float(self.dist.world))
-        if not bool(torch.isfinite(self.dist.all_sum(loss.detach().reshape(1)))[0]):
+        # every rank's share (its CE over the global positions, times world): the sum / world is
+        # the loss of the whole global batch, as one process would log it
+        total = self.dist.all_sum(loss.detach().reshape(1))[0] / self.dist.world
+        if not bool(torch.isfinite(total)):
             self._diverged("loss", b)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
@@ -454,7 +457,7 @@ class Trainer:
             self._diverged("gradient norm", b)
         self.opt.step()
         self.sched.step()
-        return {"loss": float(loss.detach()) / self.dist.world, "grad_norm": float(gnorm), "stats": stats}
+        return {"loss": float(total), "grad_norm": float(gnorm), "stats": stats}
 
     def _diverged(self, what: str, b: Batch) -> None:
         last = self._latest_checkpoint()
@@ -616,7 +619,8 @@ class Trainer:
                  "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch,
                  "batch_in_epoch": self.batch_in_epoch, "best": self.best, "rng": rng_state(),
                  "train_seconds": self.train_seconds, "train_data": self.train_data,
-                 "config": asdict(self.cfg), "aux_gain": self.drafter.aux_gain.detach().cpu().clone()}
+                 "config": asdict(self.cfg), "aux_gain": self.drafter.aux_gain.detach().cpu().clone(),
+                 "world": self.dist.world}
         tmp = ck / f".{STATE_FILE}.tmp"
         torch.save(state, tmp)
         os.replace(tmp, ck / STATE_FILE)
@@ -684,6 +688,13 @@ class Trainer:
             for name in sweep_partial(parent):
                 log.info("removed %s/%s left by an interrupted checkpoint write", parent, name)
         ck = self._latest_checkpoint()
+        if self.dist.world > 1:  # every rank must resume the same step, or the collectives part ways (a hang)
+            at = float(ck.name.split("-", 1)[1]) if ck is not None else -1.0
+            sums = self.dist.all_sum(torch.tensor([at, at * at], dtype=torch.float64, device=self.device))
+            if float(sums[1]) * self.dist.world != float(sums[0]) ** 2:
+                raise EyasError(f"--resume {self.out}: the processes found different newest checkpoints (this one: "
+                                f"{ck.name if ck else 'none'}); every node must read the same run directory: put --out "
+                                "on a shared filesystem, or copy RUN/checkpoints to every node before resuming")
         if ck is None:
             return 0
         try:
@@ -703,6 +714,10 @@ class Trainer:
                             f"ids and lengths differ from {self.meta.get('features', 'this run')}'s): its data "
                             "position would index other samples; resume with the run's own --capture / --data "
                             "(run.json names it), or start a new --out")
+        if state.get("world", self.dist.world) != self.dist.world:  # the batch plan and global batch follow it
+            raise EyasError(f"--resume {self.out}: {ck.name} was written by a run of {state['world']} process(es), this "
+                            f"one has {self.dist.world}; resume with --nproc-per-node {state['world']} (the same "
+                            "layout), or start a new --out")
         layout = state.get("optimizer_layout", "torch")
         if state["optimizer"] is not None and layout != self._optimizer_layout:
             raise EyasError(f"--resume {self.out}: {ck.name} was saved {'with' if layout == 'fqn' else 'without'} "

@@ -362,8 +362,19 @@ CASES = [
     Case("train-vocab-is-a-directory", lambda e: train()({**e, "vocab": e["prep"]}), None, ("is a directory",)),
     Case("train-out-is-the-capture", train("--force"), lambda e, s: (_cp(e, "cap", s), {**e, "out": e["cap"]})[1], ("--capture",),
          out_preexists=True),
+    # --force on an --out that is the target: the target must survive (it is loaded before the write)
+    *[Case(f"{name}-out-is-the-target", argv, lambda e, s: (_cp(e, "target", s), {**e, "out": e["target"]})[1],
+           ("--target",), out_preexists=True)
+      for name, argv in (("train", train("--force")), ("capture", capture("--force")),
+                         ("prepare", prepare("--force")),
+                         ("export", lambda e: export("--target", e["target"], "--force")(e)),
+                         ("vbuild", lambda e: vbuild("--target", e["target"], "--force")(
+                             {**e, "out": Path(e["target"]) / "config.json"})))],
     Case("train-online-without-data", lambda e: ["train", "--target", e["target"], "--online", "--vocab", e["vocab"],
                                                  "--out", e["out"]], None, ("--data",)),
+    Case("train-init-from-another-tokenizer", train_init(),
+         cp("ckpt", json_edit(lambda o: o.update(tokenizer_fingerprint="0123456789abcdef")), "eyas.json"),
+         ("tokenizer",)),
     Case("train-remap-without-init", train("--remap"), None, ("--remap", "--init-from")),
     Case("train-out-holds-run", train(), lambda e, s: (copy_artifact(e["run"], s, "out"), e)[1], ("--out",),
          out_preexists=True),

@@ -175,3 +175,18 @@ def test_resume_sweeps_temp_checkpoint_dirs(healthy, tmp_path, cli):
     assert code == 0, err
     left = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     assert not left, f"temp checkpoint dirs left after resume: {left}"
+
+
+def test_resume_restores_best_moved_aside_by_a_kill(tmp_path):
+    """Killed between moving RUN/best aside and moving the new one in: the old one comes back
+    (it is the last complete best); an .old beside a finished checkpoint is removed."""
+    from eyas.formats.checkpoint import sweep_partial
+
+    run = tmp_path / "run"
+    (run / ".best.old").mkdir(parents=True)
+    (run / ".best.old" / "model.safetensors").write_bytes(b"best")
+    (run / "final").mkdir()
+    (run / ".final.old").mkdir()
+    assert sweep_partial(run) == [".best.old", ".final.old"]
+    assert (run / "best" / "model.safetensors").read_bytes() == b"best"
+    assert sorted(p.name for p in run.iterdir()) == ["best", "final"]

@@ -176,14 +176,20 @@ def save_checkpoint(out: Path, drafter: Eagle3Drafter, meta: dict, dtype: torch.
 
 def sweep_partial(parent: Path) -> list[str]:
     """Remove what a killed `save_checkpoint` left in `parent` (`.NAME.tmp.*`, `.NAME.old`
-    directories); finished checkpoints are never touched. Returns the names removed."""
+    directories); finished checkpoints are never touched. A `.NAME.old` whose NAME is gone (killed
+    between moving the old checkpoint aside and the new one in) goes back to NAME instead: it is
+    the last complete one. Returns the names removed or restored."""
     parent = Path(parent)
     if not parent.is_dir():
         return []
     junk = [p for p in parent.iterdir() if p.is_dir() and p.name.startswith(".")
             and (".tmp." in p.name or p.name.endswith(".old"))]
     for p in junk:
-        shutil.rmtree(p, ignore_errors=True)
+        back = parent / p.name[1:].removesuffix(".old")
+        if p.name.endswith(".old") and not back.exists():
+            p.rename(back)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
     return sorted(p.name for p in junk)
 
 

@@ -212,7 +212,7 @@ def run_hf(model, prompt: torch.Tensor, s: runtime.DecodeSettings, pld: bool, de
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     return {"tokens": out[0, prompt.shape[0]:].tolist(), "wall_s": wall, "target_s": wall, "drafter_s": 0.0,
-            "accepted": []}
+            "accepted": [], "first_drafts": []}
 
 
 def run_one(method: str, model, tr, dr, prompt, s: runtime.DecodeSettings, device) -> dict:
@@ -225,7 +225,7 @@ def run_one(method: str, model, tr, dr, prompt, s: runtime.DecodeSettings, devic
         r = runtime.generate(tr, dr, prompt, runtime.DecodeSettings(**{**s.__dict__, "method": kind(method),
                                                                        "lookup": lookup}))
     return {"tokens": r.tokens, "wall_s": r.wall_s, "target_s": r.target_s, "drafter_s": r.drafter_s,
-            "accepted": r.accepted}
+            "accepted": r.accepted, "first_drafts": r.first_drafts}
 
 
 def drafter_names(paths: list[str]) -> list[str]:
@@ -262,6 +262,10 @@ def method_list(args, names: list[str]) -> list[str]:
     bad = [m for m in eyas if m not in EYAS_METHODS]
     if bad:
         raise EyasError(f"--methods: unknown {bad}; use a comma list of {', '.join(EYAS_METHODS)}")
+    for flag, given in (("--baselines", base), ("--methods", eyas)):
+        twice = sorted({m for m in given if given.count(m) > 1})
+        if twice:  # a method run twice per prompt would shift every per-prompt figure after it
+            raise EyasError(f"{flag}: {', '.join(twice)} named twice; name each method once")
     out = ["plain"] + [b for b in base if b != "plain"]
     return out + [m if len(names) == 1 else f"{m}@{n}" for n in names for m in eyas]
 
@@ -301,7 +305,8 @@ def run(args) -> int:
     from eyas import runtime
 
     check_args(args)
-    refuse_out_over_inputs(args.out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts})
+    refuse_out_over_inputs(args.out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts,
+                                      "--target": targets.local_dir(args.target)})
     device = targets.parse_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -473,9 +478,11 @@ def build_report(args, methods, prompts, results, s, drafters: dict, tdir) -> di
 GAP_NOTE = ("Reading it: val acc_0 -> teacher-forced (all positions) is the change of text (validation split vs "
             "these prompts' greedy answers); all positions -> step starts is selection (a step starts right after "
             "a rejection or a fully accepted run, which over-samples hard positions); step starts -> served should "
-            "be nothing (chain: agreement 1.0 up to bf16 rounding). A larger last gap means the runtime feeds the "
-            "drafter something training did not. Tree's served column counts any of the root's children "
-            "(compare tf_topK_at_steps in report.json).")
+            "be nothing but the draft cutoff (steps whose first draft it held back) and, with +lookup, the lookup "
+            "branch. Chain's agreement compares the drafter's own served first drafts with its teacher-forced "
+            "guesses at the same steps: below 1.0 (beyond bf16 rounding) the runtime feeds the drafter something "
+            "training did not. Tree's served column counts any of the root's children (compare tf_topK_at_steps "
+            "in report.json).")
 
 
 def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> dict:
@@ -486,8 +493,10 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
     drafted position (`tf_all`: validation text -> these prompts) and at the positions where
     verification steps started (`tf_at_steps`: steps start right after a rejection, so they
     over-sample hard positions). `served_first` is the share of those steps whose first draft the
-    target accepted; for chain it must equal `tf_at_steps` step by step (`agreement`), else the
-    runtime feeds the drafter something training did not (the seeds' failure)."""
+    target accepted (with `+lookup`, the lookup branch's too). For chain, the drafter's own first
+    draft of each step must be its teacher-forced guess (`agreement`, over the steps where the
+    draft cutoff let it propose one: `proposed`), else the runtime feeds the drafter something
+    training did not (the seeds' failure)."""
     from eyas import runtime
 
     in_vocab = torch.zeros(dr.vocab_size, dtype=torch.bool)
@@ -496,7 +505,7 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
     guesses: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # chain and tree mostly share outputs
     out = {}
     for m in (x for x in methods if kind(x) in ("chain", "tree")):
-        all_hits, oov, served, tf1, tfk = [], [], [], [], []
+        all_hits, oov, served, tf1, tfk, same, proposed = [], [], [], [], [], [], []
         for j, (p, r) in enumerate(zip(prompts, results[m])):
             n0 = p["ids"].shape[0]
             seq = torch.cat([p["ids"], torch.tensor(r["tokens"], dtype=torch.long)])
@@ -511,11 +520,14 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
             all_hits += hit1[n0 - 1:].tolist()
             oov += (~in_vocab[truth[n0 - 1:]]).tolist()
             n = n0
-            for a in r["accepted"]:
+            for a, first in zip(r["accepted"], r["first_drafts"]):
                 if n - 1 < truth.shape[0]:  # the step's first draft guessed a token that was kept
                     served.append(a >= 1)
                     tf1.append(bool(hit1[n - 1]))
                     tfk.append(bool(hitk[n - 1]))
+                    proposed.append(first >= 0)
+                    if first >= 0:
+                        same.append(first == int(guess[n - 1, 0]))
                 n += a + 1
         if not served:
             continue
@@ -524,7 +536,7 @@ def first_draft_gap(tr, dr, prompts, results, methods, s, val: dict | None) -> d
              "tf_at_steps": mean(tf1), "served_first": mean(served), "steps": len(served),
              "positions": len(all_hits), "out_of_vocab": mean(oov)}
         if kind(m) == "chain":
-            g["agreement"] = mean([a == b for a, b in zip(served, tf1)])
+            g["agreement"], g["proposed"] = (mean(same) if same else None), mean(proposed)
         else:
             g[f"tf_top{topk}_at_steps"] = mean(tfk)
         out[m] = g
@@ -580,7 +592,7 @@ def markdown(report: dict) -> str:
                   "served | steps | chain agreement |", "|---|---|---|---|---|---|---|"]
         for m, g in s["first_draft_gap"].items():
             val = f"{g['val_acc_0']:.3f}" if g["val_acc_0"] is not None else "-"
-            agree = f"{g['agreement']:.3f}" if "agreement" in g else "-"
+            agree = f"{g['agreement']:.3f}" if g.get("agreement") is not None else "-"
             lines.append(f"| {m} | {val} | {g['tf_all']:.3f} | {g['tf_at_steps']:.3f} | {g['served_first']:.3f} | "
                          f"{g['steps']} | {agree} |")
         lines.append("\n" + GAP_NOTE)

@@ -377,7 +377,7 @@ def capture(cfg: CaptureConfig) -> dict:
                     "trained on it can be benched by eyas but not served", cfg.layers, tcfg.num_hidden_layers)
     targets.parse_dtype(cfg.dtype)
     device = targets.parse_device(cfg.device)
-    refuse_out_over_inputs(cfg.out, {"--data": cfg.data})
+    refuse_out_over_inputs(cfg.out, {"--data": cfg.data, "--target": targets.local_dir(cfg.target)})
     manifest, records = fcap.read_prepared(cfg.data)
     common = {"target": str(path), "target_fingerprint": targets.fingerprint(path),
               "data": str(Path(cfg.data).resolve()), "data_fingerprint": fcap.data_fingerprint(cfg.data),
@@ -593,7 +593,7 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     """Convert speculators/SpecForge features into an eyas capture at `out`."""
     if not src.is_dir():
         raise EyasError(f"{kind} features {src}: no such directory")
-    refuse_out_over_inputs(out, {"source": src})
+    refuse_out_over_inputs(out, {"source": src, "--target": targets.local_dir(target)})
     if train_ratio is not None and not 0.0 < train_ratio <= 1.0:
         raise EyasError(f"--train-ratio {train_ratio} must lie in (0, 1]")
     check_shard_mb(shard_mb)

@@ -70,6 +70,8 @@ def refuse_out_over_inputs(out: Path, inputs: dict[str, object]) -> None:
             if q == o or o in q.parents:
                 raise EyasError(f"--out {out} is (or holds) the input {flag} {p}; replacing it would delete that "
                                 "input: choose another --out")
+            if flag == "--target" and q in o.parents:  # nothing eyas writes belongs inside a model directory
+                raise EyasError(f"--out {out} lies inside the --target directory {p}; choose an --out outside it")
 
 
 def write_json_atomic(path: Path, obj) -> None:

@@ -143,7 +143,8 @@ def _check_args(args) -> None:
         raise EyasError(f"--out {out} is a file; prepared data is a directory: choose another path")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise EyasError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
-    refuse_out_over_inputs(out, {"--input": args.input, "--exclude": args.exclude})
+    refuse_out_over_inputs(out, {"--input": args.input, "--exclude": args.exclude,
+                                 "--target": targets.local_dir(args.target)})
     refuse_symlink_out(out)
 
 

@@ -73,7 +73,7 @@ def _write(args, src: Path, layout: str, fmt: str, picked: str) -> int:
     meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": meta.get("aux_layer_ids_source"),
             **({"trained": meta["eyas"]} if "eyas" in meta else {}), "provenance": provenance(args)}
     out = Path(args.out)
-    refuse_out_over_inputs(out, {"source": src})
+    refuse_out_over_inputs(out, {"source": src, "--target": targets.local_dir(args.target)})
     with atomic_dir(out, force=args.force) as tmp:
         notes = engines.write_layout(cfg, state, fmt, tmp, target=args.target, meta=meta)
         problems = engines.static_check(tmp, fmt, expected=cfg, target=args.target)

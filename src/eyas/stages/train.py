@@ -138,7 +138,7 @@ def _check_args(args) -> None:
     if args.vocab == "from-checkpoint" and not args.init_from:
         raise EyasError("--vocab from-checkpoint needs --init-from CKPT")
     refuse_out_over_inputs(args.out, {"--capture": args.capture, "--data": args.data, "--vocab": args.vocab,
-                                      "--init-from": args.init_from})
+                                      "--init-from": args.init_from, "--target": targets.local_dir(args.target)})
     refuse_symlink_out(args.out)
 
 
@@ -264,13 +264,22 @@ def _read_init(ckpt: Path) -> tuple[DrafterConfig, dict, dict]:
     return import_checkpoint(ckpt)
 
 
-def init_drafter(args, tcfg, vm, aux: list[int], embed: torch.Tensor, head: torch.Tensor) -> tuple[Eagle3Drafter, dict]:
+def init_drafter(args, tcfg, vm, aux: list[int], embed: torch.Tensor, head: torch.Tensor,
+                 tokenizer_fp: str | None = None) -> tuple[Eagle3Drafter, dict]:
     """The drafter to train from --init-from, with the vocabulary decision made explicit."""
-    cfg, state, _ = _read_init(args.init_from)
-    if cfg.vocab_size != tcfg.vocab_size or cfg.target_hidden_size != tcfg.hidden_size:
+    cfg, state, meta = _read_init(args.init_from)
+    meta = meta if isinstance(meta, dict) else {}
+    trained = meta.get("eyas") if isinstance(meta.get("eyas"), dict) else meta  # an eyas export nests it
+    recorded = trained.get("tokenizer_fingerprint") if isinstance(trained, dict) else None
+    if recorded and tokenizer_fp and recorded != tokenizer_fp:  # same sizes are not same tokens
+        raise EyasError(f"--init-from {args.init_from}: trained for a target with another tokenizer (fingerprint "
+                        f"{recorded}, --target's is {tokenizer_fp}): its lm_head rows and d2t name other tokens; "
+                        "initialise from a drafter of this target's tokenizer")
+    hidden = {cfg.target_hidden_size, cfg.hidden_size}  # the drafter embeds with the target's embedding
+    if cfg.vocab_size != tcfg.vocab_size or hidden != {tcfg.hidden_size}:
         raise EyasError(f"--init-from {args.init_from}: drafter for vocab {cfg.vocab_size} / hidden "
-                        f"{cfg.target_hidden_size}, but --target has {tcfg.vocab_size} / {tcfg.hidden_size}; "
-                        "initialise from a drafter of this target")
+                        f"{cfg.target_hidden_size} (its own {cfg.hidden_size}), but --target has {tcfg.vocab_size} / "
+                        f"{tcfg.hidden_size}; initialise from a drafter of this target")
     if list(cfg.aux_layer_ids) != list(aux):
         raise EyasError(f"--init-from {args.init_from}: drafter reads aux layers {cfg.aux_layer_ids} but the "
                         f"features hold {aux}; capture those layers (eyas capture --layers "
@@ -354,13 +363,14 @@ def run_train(args) -> int:
     vm = None if args.vocab == "from-checkpoint" else _load_vocab(args, tcfg)
     model, tok = targets.load(tdir, dtype=args.dtype if args.online else "fp32", device=str(device) if args.online else "cpu")
     _check_vocab_tokenizer(args, vm, tok)
+    tokenizer_fp = targets.tokenizer_fingerprint(tok)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
     head = model.get_output_embeddings().weight.detach().float().cpu()
     source, aux, where = _features(args, tdir, tcfg, model, dist_)
     if not args.online:
         del model
     if args.init_from:
-        drafter, init_info = init_drafter(args, tcfg, vm, aux, embed, head)
+        drafter, init_info = init_drafter(args, tcfg, vm, aux, embed, head, tokenizer_fp)
     else:
         drafter = fresh_drafter(tcfg, vm.target_ids, aux, embed, head, args.seed, args.flags)
         init_info = {"init": "target head", **({"flags": sorted(args.flags)} if args.flags else {})}
@@ -381,7 +391,7 @@ def run_train(args) -> int:
     from eyas.formats.vocab import vocab_fingerprint
 
     meta = {"kind": "eyas.train", "target": str(tdir), "target_fingerprint": targets.fingerprint(tdir),
-            "aux_layer_ids": aux, "features": where, "vocab": str(args.vocab),
+            "tokenizer_fingerprint": tokenizer_fp, "aux_layer_ids": aux, "features": where, "vocab": str(args.vocab),
             "vocab_fingerprint": vocab_fingerprint(drafter.d2t, drafter.cfg.vocab_size),
             "train_config": cfg.__dict__, "init": init_info, "provenance": provenance(args)}
     scale, softcap = targets.logit_transform(tcfg)

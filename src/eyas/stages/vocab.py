@@ -89,7 +89,7 @@ def build(data: Path | list[Path], size: int | None, out: Path, target: str | No
     if out.is_dir():
         raise EyasError(f"--out {out} is a directory; a vocabulary is one file: pass a file path such as {out}/vocab.safetensors")
     dirs = [Path(d) for d in (data if isinstance(data, (list, tuple)) else [data])]
-    refuse_out_over_inputs(out, {"--data": dirs})
+    refuse_out_over_inputs(out, {"--data": dirs, "--target": targets.local_dir(target)})
     refuse_symlink_out(out)
     if out.exists() and not force:
         raise EyasError(f"--out {out} exists; pass --force to overwrite it")
