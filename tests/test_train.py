@@ -93,20 +93,27 @@ def test_overfit_small_repeated_set(pipe, tmp_path, eyas_cli):
         assert (run / name).exists(), name
 
 
-def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
+@pytest.mark.parametrize("stored_argmax", [True, False], ids=["capture", "imported-features"])
+def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch, stored_argmax):
+    # without a stored argmax (imported features) epoch 0 computes it and later epochs reuse it from
+    # memory; a resume inside a later epoch starts with none kept and must compute the same
+    if not stored_argmax:
+        monkeypatch.setattr(fcap, "ARGMAX_KEY", "not_in_this_manifest")
     args = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--ttt", "2",
-            "--epochs", "3", "--max-steps", "7", "--eval-every", "2", "--batch-tokens", "300", "--max-len", "96",
+            "--epochs", "3", "--max-steps", "9", "--eval-every", "2", "--batch-tokens", "300", "--max-len", "96",
             "--dtype", "fp32", "--keep-last", "3")
     assert eyas_cli("train", "--out", tmp_path / "a", *args)[0] == 0
 
     def kill(step):
-        if step == 5:
+        if step == 7:
             raise KeyboardInterrupt
 
     monkeypatch.setattr(training, "STEP_HOOKS", [kill])
     code, _, err = eyas_cli("train", "--out", tmp_path / "b", *args)
     assert code == 130, err
-    assert sorted(training.checkpoint_steps(tmp_path / "b")) == [2, 4]
+    assert sorted(training.checkpoint_steps(tmp_path / "b")) == [2, 4, 6]
+    resumed = torch.load(tmp_path / "b" / "checkpoints" / "step-6" / training.STATE_FILE, weights_only=True)
+    assert resumed["epoch"] >= 1  # inside a later epoch: the uninterrupted run reuses epoch 0's argmax there
     code, out, err = eyas_cli("train", "--out", tmp_path / "b", *args)
     assert code == 2 and "--resume" in err  # never silently overwrites a run
     monkeypatch.setattr(training, "STEP_HOOKS", [])
@@ -118,18 +125,18 @@ def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch):
     monkeypatch.setattr(training, "aux_rms", no_measuring)
     code, out, err = eyas_cli("train", "--out", tmp_path / "b", "--resume", "--json", *args)
     assert code == 0, err
-    assert json.loads(out)["resumed_from"] == 4
+    assert json.loads(out)["resumed_from"] == 6
     assert json.loads((tmp_path / "b" / "run.json").read_text())["init"]["aux_gain"] == measured
-    state = torch.load(tmp_path / "b" / "checkpoints" / "step-6" / training.STATE_FILE, weights_only=True)
+    state = torch.load(tmp_path / "b" / "checkpoints" / "step-8" / training.STATE_FILE, weights_only=True)
     assert state["aux_gain"].min() > 1  # the gained path was resumed (tiny aux channels: RMS ~0.02)
     wa, wb = _weights(tmp_path / "a" / "final"), _weights(tmp_path / "b" / "final")
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
     steps_b = [m["step"] for m in _metrics(tmp_path / "b") if m["kind"] == "eval"]
-    assert steps_b == [2, 4, 6, 7]
+    assert steps_b == [2, 4, 6, 8, 9]
     evals = [m for m in _metrics(tmp_path / "a") if m["kind"] == "eval"]
-    for s in (4, 6, 7):  # each state knows its own step's score, so a resume never demotes RUN/best
+    for s in (6, 8, 9):  # each state knows its own step's score, so a resume never demotes RUN/best
         st = torch.load(tmp_path / "a" / "checkpoints" / f"step-{s}" / training.STATE_FILE, weights_only=True)
         assert st["best"] == max(m["accept_len"] for m in evals if m["step"] <= s), s
 

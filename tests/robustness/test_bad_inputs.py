@@ -219,6 +219,22 @@ def train(*extra, target="target"):
                       "--ttt", "2", "--max-steps", "1", "--dtype", "fp32", "--batch-tokens", "256", *extra]
 
 
+def wider_drafter(env, scratch):
+    """A well-formed drafter of the same vocabulary, one and a half times as wide as the target."""
+    from dataclasses import replace
+
+    from eyas.core.drafter import Eagle3Drafter
+    from eyas.formats.checkpoint import load_checkpoint, save_checkpoint
+
+    d, meta = load_checkpoint(Path(env["ckpt"]))
+    wide = Eagle3Drafter(replace(d.cfg, hidden_size=96, target_hidden_size=96, head_dim=96 // d.cfg.num_attention_heads))
+    with torch.no_grad():
+        wide.d2t.copy_(d.d2t)
+        wide.t2d.copy_(d.t2d)
+    save_checkpoint(scratch / "wide", wide, meta)
+    return {**env, "ckpt": scratch / "wide"}
+
+
 def train_init(*extra):
     return lambda e: train("--init-from", e["ckpt"], *extra)(e)
 
@@ -375,6 +391,7 @@ CASES = [
     Case("train-init-from-another-tokenizer", train_init(),
          cp("ckpt", json_edit(lambda o: o.update(tokenizer_fingerprint="0123456789abcdef")), "eyas.json"),
          ("tokenizer",)),
+    Case("train-init-from-another-hidden-size", train_init(), wider_drafter, ("hidden 96",)),
     Case("train-remap-without-init", train("--remap"), None, ("--remap", "--init-from")),
     Case("train-out-holds-run", train(), lambda e, s: (copy_artifact(e["run"], s, "out"), e)[1], ("--out",),
          out_preexists=True),
