@@ -346,6 +346,22 @@ def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=240)
     assert p.returncode == 2 and "--nproc-per-node 2" in p.stderr and p.stderr.count("\n") == 1, p.stderr[-2000:]
     assert training.checkpoint_steps(c) == [2] and not (c / "final").exists()
+    # ranks that read different run directories (a node whose copy lacks the newest checkpoint): every
+    # rank refuses with the fix before loading anything, instead of hanging in collectives that part ways
+    e, d = tmp_path / "e", shutil.copytree(b, tmp_path / "d")
+    shutil.copytree(a, e)
+    for gone in [f"checkpoints/step-{s}" for s in steps if s > 4] + ["final", "best"]:
+        shutil.rmtree(e / gone)
+    launcher = tmp_path / "per_rank_out.py"  # the same command, but each rank its own --out
+    launcher.write_text("import os, sys\nfrom eyas.cli import main\n"
+                        "sys.exit(main(['train', '--out', sys.argv[1 + int(os.environ['RANK'])], *sys.argv[3:]]))\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(31200 + os.getpid() % 400), str(launcher), str(e), str(d), *args, "--resume"]
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    assert p.returncode != 0 and p.stdout.count("found different newest checkpoints") == 2, p.stdout[-3000:]
+    assert "shared filesystem" in p.stdout
+    assert sorted(training.checkpoint_steps(e)) == [2, 4] and training.checkpoint_steps(d) == [2]
+    assert not (e / "final").exists() and not (d / "final").exists()
     torchrun(b, "--resume")
     wa, wb = _weights(a / "final"), _weights(b / "final")
     for k in wa:
