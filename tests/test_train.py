@@ -323,15 +323,19 @@ def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
             "--ttt", "2", "--epochs", "3", "--max-steps", "5", "--eval-every", "2", "--batch-tokens", "400", "--max-len", "96",
             "--dtype", "fp32", "--lr", "1e-3", "--keep-last", "3", "--fsdp"]
 
-    def torchrun(out, *extra):  # a fresh port per launch: a just-closed one may still be in TIME_WAIT
-        port = 30100 + os.getpid() % 400 * 2 + bool(extra)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(port), "-m", "eyas", "train", "--out", str(out), *args, *extra]
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    launches = iter(range(3))  # a fresh port per launch: a just-closed one may still be in TIME_WAIT
+
+    def torchrun(*entry) -> subprocess.CompletedProcess:
+        port = 30100 + os.getpid() % 400 * 3 + next(launches)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *entry]
+        return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+
+    def train(out, *extra):
+        p = torchrun("-m", "eyas", "train", "--out", str(out), *args, *extra)
         assert p.returncode == 0, p.stdout[-3000:]
 
     a, b = tmp_path / "a", tmp_path / "b"
-    torchrun(a)
+    train(a)
     steps = sorted(training.checkpoint_steps(a))
     assert steps[0] == 2 and steps[-1] == 5
     state = torch.load(a / "checkpoints" / "step-2" / training.STATE_FILE, weights_only=True)
@@ -355,14 +359,12 @@ def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
     launcher = tmp_path / "per_rank_out.py"  # the same command, but each rank its own --out
     launcher.write_text("import os, sys\nfrom eyas.cli import main\n"
                         "sys.exit(main(['train', '--out', sys.argv[1 + int(os.environ['RANK'])], *sys.argv[3:]]))\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(31200 + os.getpid() % 400), str(launcher), str(e), str(d), *args, "--resume"]
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
+    p = torchrun(str(launcher), str(e), str(d), *args, "--resume")
     assert p.returncode != 0 and p.stdout.count("found different newest checkpoints") == 2, p.stdout[-3000:]
     assert "shared filesystem" in p.stdout
     assert sorted(training.checkpoint_steps(e)) == [2, 4] and training.checkpoint_steps(d) == [2]
     assert not (e / "final").exists() and not (d / "final").exists()
-    torchrun(b, "--resume")
+    train(b, "--resume")
     wa, wb = _weights(a / "final"), _weights(b / "final")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
