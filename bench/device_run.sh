@@ -5,7 +5,7 @@
 #       every CLI stage on cuda with a tiny random target built in code: data prepare --regenerate,
 #       vocab build, capture (bf16), train offline (bf16), train --online, train under torchrun
 #       (NCCL; DDP and --fsdp), bench fp32 (chain/tree output must equal plain greedy), bench bf16,
-#       bench with sampling, then a profile of plain decoding in fp32 and bf16 (gpu_check.py --profile)
+#       bench with sampling, doctor's dynamic checks with the target on the device, then a profile of plain decoding in fp32 and bf16 (gpu_check.py --profile)
 #       and bf16 decoding/regeneration speed with cuDNN attention on and off (gpu_check.py --decode)
 #   bench/device_run.sh real OUT PROMPTS...
 #       the built-in target on cuda: bench/gpu_check.py (fp32 chain/tree output vs the target's own
@@ -67,6 +67,7 @@ if [ "$mode" = tiny ]; then
   step bench_fp32 90 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype fp32 --out "$W/b32" --force
   step bench_bf16 90 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype bf16 --out "$W/b16" --force
   step bench_sample 90 "${EYAS[@]}" bench "${common[@]}" "${b[@]}" --dtype fp32 --temperature 0.8 --out "$W/bs" --force
+  step doctor 90 "${EYAS[@]}" doctor "$W/run/final" --target "$T" --device "$DEV" --data "$W/data" --num-prompts 4 --json
   step profile 120 "$PY" bench/gpu_check.py --device "$DEV" --target "$T" --prompts builtin-eval --data "$W/data" \
     --profile 32
   step decode 120 "$PY" bench/gpu_check.py --device "$DEV" --target "$T" --prompts builtin-eval --data "$W/data" \

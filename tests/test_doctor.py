@@ -283,7 +283,7 @@ def test_vocab_against(healthy, eyas_cli, tmp_path):
 def test_dynamic_healthy_and_recommendation(healthy, eyas_cli, tiny_target):
     code, rep = doctor(eyas_cli, healthy["sglang"], "--target", tiny_target,
                        "--prompts", healthy["prompts"], healthy["prompts"],  # several files after one flag
-                       "--num-prompts", 4, "--new-tokens", 16, "--steps", 3)
+                       "--num-prompts", 4, "--new-tokens", 16, "--steps", 3, "--device", "auto")  # cuda where present
     assert code == 0, [f for f in rep["findings"] if f["severity"] == "error"]
     dyn = rep["measurements"]["dynamic"]
     ref = dyn["paths"]["eyas reference"]

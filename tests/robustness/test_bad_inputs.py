@@ -454,6 +454,8 @@ CASES = [
     # ---- doctor (bad usage / unreadable inputs)
     Case("doctor-ckpt-missing", lambda e: doctor()({**e, "ckpt": e["scratch"] / "nodoc"}), None, ("nodoc",)),
     Case("doctor-target-missing", doctor("--target", "/nonexistent/tgt"), None, ("/nonexistent/tgt",)),
+    Case("doctor-device-unknown", lambda e: doctor("--target", e["target"], "--device", "tpu")(e), None,
+         ("--device", "tpu")),
     Case("doctor-data-garbage", lambda e: doctor("--target", e["target"], "--data", e["prep"])(e),
          cp("prep", write(GARBAGE), "manifest.json"), ("manifest.json",)),
     Case("doctor-prompts-missing", lambda e: doctor("--target", e["target"], "--prompts", e["scratch"] / "p.jsonl")(e),

@@ -55,13 +55,15 @@ class Sequence:
 
 @torch.no_grad()
 def build_sequences(model, tok, prompts: list[list[int]], new_tokens: int) -> list[Sequence]:
-    """Greedy continuations of each prompt by the target, with every hidden state captured."""
+    """Greedy continuations of each prompt by the target, with every hidden state captured, on the
+    target's device; the sequences come back on the CPU, where the drafter is measured."""
     from eyas.targets import capture_aux, find_decoder_stack
 
     L = len(find_decoder_stack(model).layers)
+    dev = model.get_input_embeddings().weight.device
     out = []
     for p in prompts:
-        x = torch.tensor([p], dtype=torch.long)
+        x = torch.tensor([p], dtype=torch.long, device=dev)
         gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         with capture_aux(model, list(range(L + 1))) as cap:
@@ -69,7 +71,8 @@ def build_sequences(model, tok, prompts: list[list[int]], new_tokens: int) -> li
         T = gen.shape[1]
         valid = torch.zeros(1, T, dtype=torch.bool)
         valid[0, len(p) - 1:T - 1] = True  # label of p = x[p+1], a generated token
-        out.append(Sequence(gen, logits.argmax(-1), valid, dict(cap.states), cap.last))
+        out.append(Sequence(gen.cpu(), logits.argmax(-1).cpu(), valid, {i: s.cpu() for i, s in cap.states.items()},
+                            cap.last.cpu()))
     return out
 
 
@@ -375,7 +378,7 @@ def decode_acceptance(ckpt, model, tdir, layout: str, engines: list[str], prompt
     for name in names:
         try:
             loaded = runtime.load_drafter(ckpt, model, name, target_dir=tdir)
-            tr, dr = runtime.runners(model, loaded, runtime.Timer(torch.device("cpu")))
+            tr, dr = runtime.runners(model, loaded, runtime.Timer(model.get_input_embeddings().weight.device))
             acc = []
             for p in prompts:
                 res = runtime.generate(tr, dr, torch.tensor(p), runtime.DecodeSettings(
@@ -398,7 +401,7 @@ def run_dynamic(raw: RawCheckpoint, layout: str, views: dict[str, EngineReading]
     L = len(find_decoder_stack(model).layers)
     default_ids = [2, L // 2, L - 3]
     intended = intended_aux_ids(raw, layout)[0] or default_ids
-    target_embed = model.get_input_embeddings().weight.detach().float()
+    target_embed = model.get_input_embeddings().weight.detach().float().cpu()
     seqs = build_sequences(model, tok, prompts, new_tokens)
     if not seqs:
         return [], {}

@@ -32,6 +32,7 @@ class DoctorOptions:
     new_tokens: int = 32
     steps: int = 5
     decode: bool = True  # also decode for real through eyas.runtime (cross-check)
+    device: str = "cpu"  # where the target runs (the drafter's teacher-forced checks stay on the CPU)
 
 
 def diagnose(opt: DoctorOptions) -> Report:
@@ -85,8 +86,8 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
     need_model = "embed_tokens.weight" in raw.canonical() or opt.prompts or opt.data
     if not need_model:
         return
-    model, tok = targets.load(tdir, "fp32")
-    emb = with_target.check_embedding(raw, model.get_input_embeddings().weight.detach())
+    model, tok = targets.load(tdir, "fp32", opt.device)
+    emb = with_target.check_embedding(raw, model.get_input_embeddings().weight.detach().cpu())
     if "embed_tokens.weight" in raw.canonical() and not emb:  # equal to the target's: not random
         rep.findings = [f for f in rep.findings if f.id != "EYAS-EMBED-RANDOM"]
     rep.extend(emb)

@@ -91,7 +91,7 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "auto"),
                    help="fp32 (default: greedy output checked token for token against plain decoding), bf16, or "
                    "auto = bf16 on CUDA and AMX / AVX512-BF16 CPUs, else fp32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--no-prepack", action="store_true",
                    help="keep PyTorch's plain CPU linear layers. Default on CPU in fp32: every linear weight of "
                    "the target (and so of every method, hf and pld included) is prepacked once for oneDNN, and the "

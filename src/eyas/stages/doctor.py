@@ -38,6 +38,8 @@ def register(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=8, help="prompts used by the dynamic checks")
     p.add_argument("--new-tokens", type=int, default=32, help="target tokens generated per prompt")
     p.add_argument("--steps", type=int, default=5, help="draft steps measured (chain depth)")
+    p.add_argument("--device", default="cpu", help="where the target runs for the embedding and dynamic checks: "
+                   "cpu, cuda, cuda:N or auto (default cpu; the teacher-forced drafter checks run on the CPU)")
     p.add_argument("--no-decode", action="store_true", help="skip the real speculative-decoding cross-check "
                    "(eyas.runtime) of the dynamic checks")
     add_json_flag(p)
@@ -65,6 +67,8 @@ def run(args) -> int:
     if args.target:  # the dynamic checks decode that many tokens per prompt, several times over
         from eyas import targets
 
+        targets.parse_device(args.device)  # a bad --device exits 2 before any work
+
         room = targets.max_positions(targets.load_config(targets.resolve(args.target))) // 2
         if args.new_tokens > room:
             raise EyasError(f"--new-tokens {args.new_tokens}: at most {room} (half the target's positions; the "
@@ -72,7 +76,7 @@ def run(args) -> int:
     engines = ALL_ENGINES if args.engine == "all" else (args.engine,)
     rep = diagnose(DoctorOptions(args.ckpt, args.target, engines, args.engine != "all", args.data, args.against,
                                  args.prompts, args.num_prompts, args.new_tokens, args.steps,
-                                 not args.no_decode))
+                                 not args.no_decode, args.device))
     if getattr(args, "json", False):
         print(json.dumps(rep.to_dict(), indent=2, default=_jsonable))
     else:

@@ -193,7 +193,7 @@ def register(sub) -> None:
                    "run in fp32 on a CPU, a plan sized for that: 360 prompts): training gets what is left of 19.5 "
                    "min after the stages before it and the bench's estimate (at least 2 min), so a slow hour "
                    "trains fewer steps; "
-                   "medium: ~75 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
+                   "medium: ~70-80 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
                    "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
