@@ -71,7 +71,8 @@ class Plan:
 # Tried on this plan since, none better on MT-bench + MBPP (`bench/RESULTS.md`, "data and training choices"): 46k
 # tokens of answers not written by the target, half real public prompts, TTT 2 x 7 epochs, 256-token
 # batches, weight decay 0.1, learning rate 5e-4 or 2e-3 instead of 1e-3. Validation at these tokens
-# (2026-12-04): 256-token batches again, a loss on prompt positions too, feature noise: within 1.2%.
+# (2026-12-04): 256-token batches again, a loss on prompt positions too, feature noise: within 1.2%;
+# the draft head frozen at the target's rows: 2% worse.
 FP32_CPU_SMALL = Plan(prompts=360, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=4096,
                       train_epochs=5, train_max_steps=1500, ttt=3, batch_tokens=512, bench_prompts=10,
                       bench_new_tokens=48, minutes=(0.2, 5.2, 0.1, 2.6, 8.6, 2.7),  # 2026-12-01: 19.2 min
