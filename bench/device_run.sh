@@ -5,8 +5,8 @@
 #       every CLI stage on cuda with a tiny random target built in code: data prepare --regenerate,
 #       vocab build, capture (bf16), train offline (bf16), train --online, train under torchrun
 #       (NCCL; DDP and --fsdp), bench fp32 (chain/tree output must equal plain greedy), bench bf16,
-#       bench with sampling, doctor's dynamic checks with the target on the device, then a profile of plain decoding in fp32 and bf16 (gpu_check.py --profile)
-#       and bf16 decoding/regeneration speed with cuDNN attention on and off (gpu_check.py --decode)
+#       bench with sampling, doctor's dynamic checks with the target on the device, then a profile of
+#       plain decoding in fp32 and bf16 (gpu_check.py --profile) and bf16 decoding/regeneration speed with cuDNN attention on and off (gpu_check.py --decode)
 #   bench/device_run.sh real OUT PROMPTS...
 #       the built-in target on cuda: bench/gpu_check.py (fp32 chain/tree output vs the target's own
 #       generate(), forward cost by size in fp32 and bf16; then --decode), `eyas quickstart --budget $BUDGET

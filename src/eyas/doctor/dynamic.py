@@ -60,10 +60,9 @@ def build_sequences(model, tok, prompts: list[list[int]], new_tokens: int) -> li
     from eyas.targets import capture_aux, find_decoder_stack
 
     L = len(find_decoder_stack(model).layers)
-    dev = model.get_input_embeddings().weight.device
     out = []
     for p in prompts:
-        x = torch.tensor([p], dtype=torch.long, device=dev)
+        x = torch.tensor([p], dtype=torch.long, device=model.device)
         gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         with capture_aux(model, list(range(L + 1))) as cap:
@@ -378,7 +377,7 @@ def decode_acceptance(ckpt, model, tdir, layout: str, engines: list[str], prompt
     for name in names:
         try:
             loaded = runtime.load_drafter(ckpt, model, name, target_dir=tdir)
-            tr, dr = runtime.runners(model, loaded, runtime.Timer(model.get_input_embeddings().weight.device))
+            tr, dr = runtime.runners(model, loaded, runtime.Timer(model.device))
             acc = []
             for p in prompts:
                 res = runtime.generate(tr, dr, torch.tensor(p), runtime.DecodeSettings(

@@ -87,7 +87,7 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
     if not need_model:
         return
     model, tok = targets.load(tdir, "fp32", opt.device)
-    emb = with_target.check_embedding(raw, model.get_input_embeddings().weight.detach().cpu())
+    emb = with_target.check_embedding(raw, model.get_input_embeddings().weight.detach())
     if "embed_tokens.weight" in raw.canonical() and not emb:  # equal to the target's: not random
         rep.findings = [f for f in rep.findings if f.id != "EYAS-EMBED-RANDOM"]
     rep.extend(emb)

@@ -83,7 +83,7 @@ def check_embedding(raw: RawCheckpoint, target_embed: torch.Tensor) -> list[Find
                      f"{tuple(target_embed.shape)}", evidence={"shape": list(emb.shape)},
                      cause="the embedding belongs to another model.",
                      fix="drop embed_tokens.weight or copy the target's (eyas convert)")]
-    a, b = emb.float(), target_embed.float()
+    a, b = emb.to(target_embed.device).float(), target_embed.float()  # compared where the target runs
     diff = float((a - b).abs().max())
     scale = float(b.abs().max()) or 1.0
     if diff <= 1e-2 * scale:  # bf16 round trips stay well inside 1%

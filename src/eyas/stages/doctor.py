@@ -47,6 +47,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from eyas import targets
     from eyas.doctor.run import ALL_ENGINES, DoctorOptions, diagnose
 
     if not args.ckpt.is_dir():
@@ -64,11 +65,8 @@ def run(args) -> int:
                            ("--new-tokens", args.new_tokens, 2)):
         if v < least:
             raise EyasError(f"{flag} {v}: must be >= {least}")
+    targets.parse_device(args.device)  # a bad --device exits 2 before any work
     if args.target:  # the dynamic checks decode that many tokens per prompt, several times over
-        from eyas import targets
-
-        targets.parse_device(args.device)  # a bad --device exits 2 before any work
-
         room = targets.max_positions(targets.load_config(targets.resolve(args.target))) // 2
         if args.new_tokens > room:
             raise EyasError(f"--new-tokens {args.new_tokens}: at most {room} (half the target's positions; the "
