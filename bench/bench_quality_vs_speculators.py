@@ -2,15 +2,17 @@
 
 Both drafters train on the same captured features (`eyas capture` directories), the same
 draft vocabulary, TTT length, max length, batches (eyas's token-budget plan: same samples in
-the same order per step), step count, AdamW (betas 0.9/0.95, no decay), warmup + cosine
-schedule and gradient clipping. What differs is each framework's own model and loss:
+the same order per step), step count, learning rate, warmup + cosine schedule and gradient
+clipping. What differs is each framework's own model, loss and optimizer:
 
-- eyas: `eyas train` (the CLI, in a subprocess), its final checkpoint;
+- eyas: `eyas train` (the CLI, in a subprocess), its final checkpoint, with eyas's default
+  optimizer (Muon on the hidden matrices, AdamW betas 0.9/0.95 on the rest;
+  `--eyas-optimizer adamw` trains with speculators' optimizer instead);
 - speculators 0.9.0: `Eagle3DraftModel.from_training_args` with the eagle3 defaults of
   speculators' own training CLI (norm_before_residual, norm_before_fc and norm_output True,
   embedding frozen, draft head and embedding from the verifier, TTT step loss decay 1.0),
   sdpa attention, `resolve_loss_config("kl_div", "eager")`,
-  in a plain AdamW loop (its Trainer assumes CUDA). eyas's capture stores `last` AFTER the
+  in a plain AdamW loop (betas 0.9/0.95, no decay; its Trainer assumes CUDA). eyas's capture stores `last` AFTER the
   target's final norm, so the model's frozen `verifier_norm` is replaced by identity: the
   teacher logits are then exactly lm_head(final-norm state), as in eyas. A step's samples
   are packed into sequences of at most --pack-tokens (document ids keep them apart) and
@@ -70,7 +72,7 @@ def train_eyas(a) -> dict:
     t0 = time.perf_counter()
     rc = cli.main(["train", "--target", a.target, "--capture", *map(str, a.capture), "--vocab", str(a.vocab),
                    "--out", str(a.out / "eyas"), "--force", *train_args(a, a.max_steps),
-                   *(["--drafter-flags", a.eyas_flags] if a.eyas_flags else [])])
+                   "--optimizer", a.eyas_optimizer, *(["--drafter-flags", a.eyas_flags] if a.eyas_flags else [])])
     if rc:
         sys.exit(rc)
     return {"seconds": time.perf_counter() - t0, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -216,6 +218,8 @@ def main() -> None:
                    "gives eyas the epochs its higher throughput buys in speculators' training time")
     p.add_argument("--eyas-flags", default="", help="eyas train --drafter-flags (e.g. the speculators layout: "
                    "norm_before_residual,norm_before_fc,norm_output)")
+    p.add_argument("--eyas-optimizer", default="muon", choices=("muon", "adamw"),
+                   help="eyas train --optimizer (default muon, eyas's default; adamw = speculators' optimizer)")
     p.add_argument("--max-steps", type=int)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--pack-tokens", type=int, default=1024, help="speculators: tokens per packed forward")

@@ -4,8 +4,10 @@ Both frameworks train on the same in-memory features (the target's aux states an
 hidden state for the same samples, same seq length), the same draft vocabulary, TTT
 length, steps and samples per step; each runs in its own subprocess so peak RSS is its
 own. speculators follows the CPU recipe in ENVIRONMENT.md (sdpa attention,
-resolve_loss_config("kl_div", "eager"), plain AdamW loop). Both drafters are then scored
-with eyas's metric code on the same eval samples (speculators' via eyas's importer).
+resolve_loss_config("kl_div", "eager"), plain AdamW loop); eyas steps with the optimizer
+`eyas train` builds (`--optimizer`, default eyas's: Muon on the hidden matrices). Both
+drafters are then scored with eyas's metric code on the same eval samples (speculators' via
+eyas's importer).
 
     python bench/bench_train_vs_speculators.py --data DATA --vocab VOCAB \
         [--target smollm2-135m] [--ttt 3] [--seq-len 512] [--steps 20] [--dtype bf16] [--compute-argmax]
@@ -67,7 +69,7 @@ def features(target: Path, data: Path, seq_len: int, n: int, dtype: str, out: Pa
 
 
 def run_eyas(a, feats: dict, out: Path) -> dict:
-    from eyas import targets
+    from eyas import targets, training
     from eyas.core import ttt
     from eyas.formats.vocab import load_vocab
     from eyas.stages.train import fresh_drafter
@@ -84,8 +86,7 @@ def run_eyas(a, feats: dict, out: Path) -> dict:
     ac = torch.bfloat16 if a.dtype == "bf16" else None
     lm = head.to(ac or torch.float32)
     tids = vm.target_ids
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=a.lr, betas=(0.9, 0.95),
-                            fused=True)  # as eyas.training does
+    opt = training.make_optimizer(training.TrainConfig(lr=a.lr, dtype=a.dtype, optimizer=a.optimizer), d)  # as eyas train
     train, ev = feats["rows"][: a.train], feats["rows"][a.train:]
     rows = ttt.head_rows(lm, tids)  # as eyas.training splits it once on a CPU
 
@@ -205,6 +206,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--random-head", action="store_true", help="eyas ablation: random lm_head init")
+    p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
+                   help="eyas's optimizer (eyas train --optimizer; default muon, eyas's default); speculators: AdamW")
     p.add_argument("--compute-argmax", action="store_true",
                    help="eyas: compute the target's full-vocabulary argmax every step, as `eyas train` does in the "
                    "first epoch of features without it (default: read from the features, as from an eyas capture)")

@@ -292,8 +292,9 @@ def test_ddp_two_processes_equal_one(pipe, tmp_path):
     procs = []  # sample makes its own batch for 1 process but joins the previous one for 2)
     # two processes with a time budget they never reach: the budget's all-reduce runs every step, and
     # changes nothing
+    # Muon (the default) under DDP; FSDP shards matrices, so it trains with AdamW, against AdamW in one process
     runs = ((1, tmp_path / "one", []), (2, tmp_path / "two", ["--time-budget", "100"]),
-            (2, tmp_path / "fsdp", ["--fsdp"]))
+            (1, tmp_path / "one-adamw", ["--optimizer", "adamw"]), (2, tmp_path / "fsdp", ["--fsdp", "--optimizer", "adamw"]))
     for n, (procs_n, out, extra) in enumerate(runs):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs_n), "--master-port",
                str(29500 + n + os.getpid() % 500 * 3), "-m", "eyas", "train", "--out", str(out), *args, *extra]
@@ -301,17 +302,19 @@ def test_ddp_two_processes_equal_one(pipe, tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out[-3000:]
-    w1, w2, w3 = (_weights(tmp_path / r / "final") for r in ("one", "two", "fsdp"))
+    w1, w2, w3, w4 = (_weights(tmp_path / r / "final") for r in ("one", "two", "one-adamw", "fsdp"))
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=5e-5)
-        torch.testing.assert_close(w3[k], w2[k], rtol=1e-3, atol=5e-5)
+        torch.testing.assert_close(w4[k], w3[k], rtol=1e-3, atol=5e-5)
+    assert any(not torch.allclose(w1[k], w3[k]) for k in w1)  # the two optimizers did differ
     e1 = [m for m in _metrics(tmp_path / "one") if m["kind"] == "eval"][-1]
     e2 = [m for m in _metrics(tmp_path / "two") if m["kind"] == "eval"][-1]
     assert e1["positions"] == e2["positions"]
     assert e1["loss"] == pytest.approx(e2["loss"], rel=1e-4)
     # the logged training loss is the global batch's under every layout (not rank 0's share)
-    t1, t2, t3 = ([m["loss"] for m in _metrics(tmp_path / r) if m["kind"] == "train"] for r in ("one", "two", "fsdp"))
-    assert t1 and t1 == pytest.approx(t2, rel=1e-4) and t1 == pytest.approx(t3, rel=1e-4)
+    t1, t2, t3, t4 = ([m["loss"] for m in _metrics(tmp_path / r) if m["kind"] == "train"]
+                      for r in ("one", "two", "one-adamw", "fsdp"))
+    assert t1 and t1 == pytest.approx(t2, rel=1e-4) and t3 == pytest.approx(t4, rel=1e-4)
 
 
 def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
@@ -321,7 +324,7 @@ def test_fsdp_resume_restores_sharded_optimizer(pipe, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "EYAS_NO_PROGRESS": "1", "TMPDIR": str(tmp_path)}  # torchrun's log dirs
     args = ["--target", str(pipe["target"]), "--capture", str(pipe["cap"]), "--vocab", str(pipe["vocab"]),
             "--ttt", "2", "--epochs", "3", "--max-steps", "5", "--eval-every", "2", "--batch-tokens", "400", "--max-len", "96",
-            "--dtype", "fp32", "--lr", "1e-3", "--keep-last", "3", "--fsdp"]
+            "--dtype", "fp32", "--lr", "1e-3", "--keep-last", "3", "--fsdp", "--optimizer", "adamw"]
 
     launches = iter(range(3))  # a fresh port per launch: a just-closed one may still be in TIME_WAIT
 

@@ -375,6 +375,7 @@ CASES = [
     Case("train-lr-inf", train("--lr", "inf"), None, ("--lr",)),
     Case("train-grad-clip-negative", train("--grad-clip", "-1"), None, ("--grad-clip",)),
     Case("train-weight-decay-nan", train("--weight-decay", "nan"), None, ("--weight-decay",)),
+    Case("train-muon-with-fsdp", train("--fsdp"), None, ("--optimizer adamw",)),
     Case("train-vocab-is-a-directory", lambda e: train()({**e, "vocab": e["prep"]}), None, ("is a directory",)),
     Case("train-out-is-the-capture", train("--force"), lambda e, s: (_cp(e, "cap", s), {**e, "out": e["cap"]})[1], ("--capture",),
          out_preexists=True),

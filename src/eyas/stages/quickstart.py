@@ -174,8 +174,11 @@ ARGV: dict[str, list[str]] = {
     "train": ["train", "--target", "{target}", "--capture", "{capture}", "--vocab", "{vocab}/vocab.safetensors",
               "--epochs", "{train_epochs}", "--max-steps", "{train_max_steps}", "--ttt", "{ttt}",
               "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--device", "{device}", "--dtype", "{dtype}",
-              "--aux-gain", "rms", "{time_budget}", "--out", "{out}", "--force"],
-    # --aux-gain explicit: runs trained before it are not reused. {time_budget}: see train_budget
+              "--aux-gain", "rms", "--optimizer", "adamw", "{time_budget}", "--out", "{out}", "--force"],
+    # --aux-gain explicit: runs trained before it are not reused. {time_budget}: see train_budget.
+    # --optimizer adamw: the plans were sized and measured with AdamW; `eyas train`'s default Muon gains
+    # per token but costs ~0.46 s per step on a 2-core AVX2 CPU (about 2x a 512-token fp32 step), and no
+    # plan has been measured with it yet
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
               "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--baselines", "plain,pld",
