@@ -12,8 +12,8 @@ clipping. What differs is each framework's own model, loss and optimizer:
   speculators' own training CLI (norm_before_residual, norm_before_fc and norm_output True,
   embedding frozen, draft head and embedding from the verifier, TTT step loss decay 1.0),
   sdpa attention, `resolve_loss_config("kl_div", "eager")`,
-  in a plain AdamW loop (betas 0.9/0.95, no decay; its Trainer assumes CUDA). eyas's capture stores `last` AFTER the
-  target's final norm, so the model's frozen `verifier_norm` is replaced by identity: the
+  in a plain AdamW loop (betas 0.9/0.95, no decay; its Trainer assumes CUDA). eyas's capture
+  stores `last` AFTER the target's final norm, so the model's frozen `verifier_norm` is replaced by identity: the
   teacher logits are then exactly lm_head(final-norm state), as in eyas. A step's samples
   are packed into sequences of at most --pack-tokens (document ids keep them apart) and
   their losses summed weighted by supervised tokens (sdpa's dense mask makes one 4k-token

@@ -86,7 +86,8 @@ def run_eyas(a, feats: dict, out: Path) -> dict:
     ac = torch.bfloat16 if a.dtype == "bf16" else None
     lm = head.to(ac or torch.float32)
     tids = vm.target_ids
-    opt = training.make_optimizer(training.TrainConfig(lr=a.lr, dtype=a.dtype, optimizer=a.optimizer), d)  # as eyas train
+    # the optimizer `eyas train` builds
+    opt = training.make_optimizer(training.TrainConfig(lr=a.lr, dtype=a.dtype, optimizer=a.optimizer), d)
     train, ev = feats["rows"][: a.train], feats["rows"][a.train:]
     rows = ttt.head_rows(lm, tids)  # as eyas.training splits it once on a CPU
 

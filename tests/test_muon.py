@@ -17,8 +17,8 @@ def _params(seed: int = 0):
     return mats, rest
 
 
-def _run(opt, params, steps: int, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
+def _run(opt, params, steps: int, g: torch.Generator | None = None) -> None:
+    g = g or torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
@@ -66,18 +66,11 @@ def test_state_dict_resume_is_bit_identical():
 
     mats2, rest2 = _params()
     first = MuonAdamW(mats2, rest2, lr=0.01)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for p in mats2 + rest2:
-            p.grad = torch.randn(p.shape, generator=g)
-        first.step()
-    saved = copy.deepcopy(first.state_dict())
+    g = torch.Generator().manual_seed(1)  # one gradient stream across the interruption
+    _run(first, mats2 + rest2, 3, g)
     resumed = MuonAdamW(mats2, rest2, lr=0.01)
-    resumed.load_state_dict(saved)
-    for _ in range(2):
-        for p in mats2 + rest2:
-            p.grad = torch.randn(p.shape, generator=g)
-        resumed.step()
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    _run(resumed, mats2 + rest2, 2, g)
     for a, b in zip(mats + rest, mats2 + rest2):
         assert torch.equal(a, b)
 

@@ -294,7 +294,8 @@ def test_ddp_two_processes_equal_one(pipe, tmp_path):
     # changes nothing
     # Muon (the default) under DDP; FSDP shards matrices, so it trains with AdamW, against AdamW in one process
     runs = ((1, tmp_path / "one", []), (2, tmp_path / "two", ["--time-budget", "100"]),
-            (1, tmp_path / "one-adamw", ["--optimizer", "adamw"]), (2, tmp_path / "fsdp", ["--fsdp", "--optimizer", "adamw"]))
+            (1, tmp_path / "one-adamw", ["--optimizer", "adamw"]),
+            (2, tmp_path / "fsdp", ["--fsdp", "--optimizer", "adamw"]))
     for n, (procs_n, out, extra) in enumerate(runs):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs_n), "--master-port",
                str(29500 + n + os.getpid() % 500 * 3), "-m", "eyas", "train", "--out", str(out), *args, *extra]

@@ -3,18 +3,17 @@
 Muon (Jordan et al., 2024) updates a weight matrix by its momentum orthogonalised: the
 Newton-Schulz iteration below maps the momentum M = U S V^T to about U V^T (singular values
 of random rectangular matrices land in 0.68-1.13; tiny ones grow less), so every direction of
-the update moves at a similar rate. The
-step is scaled by 0.2 * sqrt(max(rows, cols)) so that its RMS matches an AdamW step's and the
-same learning rate serves both kinds of parameter ("match_rms_adamw" in `torch.optim.Muon`).
-Matrices that read or write the vocabulary (the draft head) stay on AdamW, as in Muon's own
-recipe, as do norms and anything not 2-D.
+the update moves at a similar rate. The step is scaled by 0.2 * sqrt(max(rows, cols)) so that
+its RMS matches an AdamW step's and the same learning rate serves both kinds of parameter
+("match_rms_adamw" in `torch.optim.Muon`). Matrices that read or write the vocabulary (the
+draft head) stay on AdamW, as in Muon's own recipe, as do norms and anything not 2-D.
 
 Why eyas has its own and not `torch.optim.Muon`: that one runs the iteration in bf16, which
 on a CPU without native bf16 costs about five times the fp32 iteration; here the iteration's
-dtype is the caller's (fp32 on a CPU, bf16 on CUDA), and in bf16 the update equals
-`torch.optim.Muon`'s (tests/test_muon.py). The AdamW half is torch's AdamW update written out
-(equal to `torch.optim.AdamW` in tests), so one optimizer, one state dict and one scheduler
-carry both halves through checkpoints and `--resume`.
+dtype is the caller's (`eyas.training` passes the training's compute dtype), and in bf16 the
+update equals `torch.optim.Muon`'s (tests/test_muon.py). The AdamW half is torch's AdamW
+update written out (equal to `torch.optim.AdamW` in tests), so one optimizer, one state dict
+and one scheduler carry both halves through checkpoints and `--resume`.
 """
 
 from __future__ import annotations
