@@ -210,7 +210,9 @@ def main() -> None:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--capture", type=Path, nargs="+", required=True)
     p.add_argument("--vocab", type=Path, required=True)
-    p.add_argument("--prompts", type=Path, nargs="+", required=True, help="bench prompts (never trained on)")
+    p.add_argument("--prompts", type=Path, nargs="+", required=True,
+                   help="bench prompts (never trained on), or `builtin-eval` with --data: the held-out eval split")
+    p.add_argument("--data", type=Path, help="with --prompts builtin-eval: the prepared data whose eval split to bench")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ttt", type=int, default=5)
     p.add_argument("--epochs", type=int, default=1)
@@ -249,14 +251,15 @@ def main() -> None:
     drafters = {"eyas": a.out / "eyas" / "final", "speculators": a.out / "speculators_eyas"}
     res = {"settings": {k: str(v) for k, v in vars(a).items() if k != "which"}}
     bdir = a.out / "bench_both"  # both drafters in one run, prompt by prompt, one plain baseline
-    old = json.loads((bdir / "report.json").read_text())["summary"] if (bdir / "report.json").exists() else None
-    if not old or sorted(old.get("drafters", {}).values()) != sorted(map(str, drafters.values())) \
-            or old.get("repeats") != a.repeats:
-        run(eyas_cmd("bench", "--target", a.target, "--drafter", *map(str, drafters.values()),
-                     "--prompts", *map(str, a.prompts), "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k),
-                     "--tree", a.tree, "--methods", "chain,tree", "--baselines", "plain", "--dtype", a.dtype,
-                     "--draft-cutoff", a.draft_cutoff, "--repeats", str(a.repeats),
-                     "--threads", str(a.threads), "--out", str(bdir), "--force"), a.out / "bench_both.log")
+    cmd = eyas_cmd("bench", "--target", a.target, "--drafter", *map(str, drafters.values()),
+                   "--prompts", *map(str, a.prompts), *(["--data", str(a.data)] if a.data else []),
+                   "--max-new-tokens", str(a.max_new_tokens), "--k", str(a.k), "--tree", a.tree,
+                   "--methods", "chain,tree", "--baselines", "plain", "--dtype", a.dtype, "--draft-cutoff", a.draft_cutoff,
+                   "--repeats", str(a.repeats), "--threads", str(a.threads), "--out", str(bdir), "--force")
+    ran = bdir / "argv.json"  # rerun the bench when anything in its command line changed
+    if not (bdir / "report.json").exists() or not ran.exists() or json.loads(ran.read_text()) != cmd[1:]:
+        run(cmd, a.out / "bench_both.log")
+        ran.write_text(json.dumps(cmd[1:]) + "\n")
     summary = json.loads((bdir / "report.json").read_text())["summary"]
     name_of = {path: name for name, path in summary["drafters"].items()}
     for which, ckpt in drafters.items():
