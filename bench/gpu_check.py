@@ -8,10 +8,13 @@ dtype, median of --repeats (CUDA-synchronised), and as a ratio to the 1-token fo
 number that decides how many tokens a verification may carry on that device.
 Decode (--decode STEPS): plain decoding and batched regeneration in bf16 with torch's cuDNN
 attention allowed and disallowed (eyas disallows it on CUDA: `targets.avoid_cudnn_attention`).
+Optimizer (--optim STEPS): the cost of one optimizer step, AdamW (fused) against Muon, on the
+drafter eyas trains for this target (8k draft vocabulary), with random gradients, per dtype.
 
     python bench/gpu_check.py --device cuda --prompts mt.jsonl mbpp.jsonl --limit 10
     python bench/gpu_check.py --device cuda --target DIR --prompts mt.jsonl --profile 32
     python bench/gpu_check.py --device cuda --target DIR --prompts mt.jsonl --decode 64
+    python bench/gpu_check.py --device cuda --optim 50
 """
 
 from __future__ import annotations
@@ -144,6 +147,39 @@ def decode_speed(tdir: Path, device: torch.device, prompts: list[dict], steps: i
     return out
 
 
+def optimizer_cost(tdir: Path, device: torch.device, steps: int) -> dict:
+    """Median ms of one optimizer step (after 5 warm-up steps) for each optimizer and training dtype."""
+    from transformers import AutoConfig
+
+    from eyas import training
+
+    cfg = AutoConfig.from_pretrained(tdir)
+    out = {}
+    for dtype in ("bf16", "fp32"):
+        for name in ("adamw", "muon"):
+            torch.manual_seed(0)
+            d = Eagle3Drafter(DrafterConfig.from_target(cfg, min(8192, cfg.vocab_size),
+                                                        targets.default_aux_layers(cfg.num_hidden_layers)))
+            d = d.to(device)
+            opt = training.make_optimizer(training.TrainConfig(optimizer=name, dtype=dtype, lr=1e-4), d)
+            params = [p for p in d.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.randn_like(p) * 1e-3
+            times = []
+            for i in range(steps + 5):
+                sync(device)
+                t0 = time.perf_counter()
+                opt.step()
+                sync(device)
+                if i >= 5:
+                    times.append((time.perf_counter() - t0) * 1000)
+            key = f"{dtype}_{name}"
+            out[key] = round(statistics.median(times), 2)
+            print(f"optimizer step, {key}: {out[key]:.2f} ms (median of {steps}; "
+                  f"{sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=targets.DEFAULT_TARGET)
@@ -163,9 +199,14 @@ def main() -> None:
                     help="only profile STEPS plain decoding forwards in fp32 and bf16 (top operators)")
     ap.add_argument("--decode", type=int, default=0, metavar="STEPS",
                     help="only time STEPS steps of bf16 plain decoding and regeneration, cuDNN attention on and off")
+    ap.add_argument("--optim", type=int, default=0, metavar="STEPS",
+                    help="only time STEPS optimizer steps of the target's drafter, AdamW against Muon")
     a = ap.parse_args()
     device = targets.parse_device(a.device)
     tdir = targets.resolve(a.target)
+    if a.optim:
+        print(json.dumps(optimizer_cost(tdir, device, a.optim)))
+        return
     _, tok = targets.load(tdir)
     prompts = bench.load_prompts(argparse.Namespace(prompts=a.prompts, data=a.data, limit=a.limit,
                                                     max_prompt_tokens=1024), tok)
