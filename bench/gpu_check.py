@@ -37,13 +37,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def random_drafter(cfg) -> Eagle3Drafter:
+    """The target's drafter with an 8k (or smaller) draft vocabulary, random weights of seed 0."""
+    torch.manual_seed(0)
+    n = min(8192, cfg.vocab_size)
+    return Eagle3Drafter(DrafterConfig.from_target(cfg, n, targets.default_aux_layers(cfg.num_hidden_layers)))
+
+
 def drafter_for(model, path: str | None) -> runtime.LoadedDrafter:
     if path:
         return runtime.load_drafter(Path(path), model, "eyas", model.dtype)
-    cfg = model.config
-    torch.manual_seed(0)
-    n = min(8192, cfg.vocab_size)
-    d = Eagle3Drafter(DrafterConfig.from_target(cfg, n, targets.default_aux_layers(cfg.num_hidden_layers)))
+    d = random_drafter(model.config)
     d.load_target_embedding(model.get_input_embeddings().weight.float().cpu())
     d = d.to(model.device, model.dtype).eval()
     ids = torch.arange(d.cfg.draft_vocab_size, device=model.device) + d.d2t
@@ -157,10 +161,7 @@ def optimizer_cost(tdir: Path, device: torch.device, steps: int) -> dict:
     out = {}
     for dtype in ("bf16", "fp32"):
         for name in ("adamw", "muon"):
-            torch.manual_seed(0)
-            d = Eagle3Drafter(DrafterConfig.from_target(cfg, min(8192, cfg.vocab_size),
-                                                        targets.default_aux_layers(cfg.num_hidden_layers)))
-            d = d.to(device)
+            d = random_drafter(cfg).to(device)
             opt = training.make_optimizer(training.TrainConfig(optimizer=name, dtype=dtype, lr=1e-4), d)
             params = [p for p in d.parameters() if p.requires_grad]
             for p in params:
