@@ -124,10 +124,15 @@ PLANS = {
     # With `deadline` (same day): 17.0 min on a fast hour (train 9.9 of an 11.9-min budget: every step);
     # pinned to one core, about half the speed, 18.4 min (budget 6.4 min: 347 of 785 steps, val acc_0 0.40
     # instead of 0.48), where it would have taken about 26.
+    # Muon instead of AdamW (2026-12-04, this plan's train argv on one capture, all 795 steps each): val
+    # simulated acceptance 2.37 vs 2.10 on a 2-core Zen 4 CPU (bf16 Newton-Schulz: steps about 1.25x
+    # longer), 2.36 vs 2.12 on an H200 (58 vs 46 s; Muon at step 400 ahead of AdamW at 600). Served in
+    # one `eyas bench` (bf16, cutoff 0.05), Muon vs AdamW: the held-out built-in prompts tree 4,5,16
+    # acceptance 2.52 vs 2.28 (1.73x vs 1.60x plain), chain 2.17 vs 1.97; MT-bench + MBPP tree 1.81 vs 1.74.
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=1600, ttt=4, batch_tokens=1024, bench_prompts=10,
                   bench_new_tokens=64, minutes=(0.2, 4.8, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL,
-                  deadline=19.5),
+                  deadline=19.5, optimizer="muon"),
     # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
     # eyas/data/PUBLIC_PROMPTS.md), all answered by the target, 3 epochs in one cosine schedule at
     # 4096-token batches. Measured: 78.7 min (data 31.5, capture 7.0, train 36.1 for 741 steps, bench
@@ -155,10 +160,12 @@ PLANS = {
                    train_epochs=3, train_max_steps=5000, ttt=5, batch_tokens=1024, bench_prompts=20,
                    bench_new_tokens=128, minutes=(0.2, 24, 0.1, 7, 32, 4.2), inputs=("builtin-public", "builtin"),
                    tree="6,6,24"),
+    # large: sized for a GPU, where Muon's step costs milliseconds (5.5 ms for SmolLM2's drafter on an H200,
+    # against steps of 8192 tokens) and trained the small plan's drafter better in less time (above)
     "large": Plan(prompts=4000, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
                   train_epochs=6, train_max_steps=10000, ttt=7, batch_tokens=8192, bench_prompts=40,
                   bench_new_tokens=128, minutes=(0.2, 45, 0.5, 10, 120, 25), inputs=("builtin-public", "builtin"),
-                  tree="6,6,24"),
+                  tree="6,6,24", optimizer="muon"),
 }
 
 STAGES = ("target", "data", "vocab", "capture", "train", "bench")
