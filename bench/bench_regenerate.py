@@ -2,10 +2,12 @@
 transformers' `generate()` on the same prompts, side by side in one run.
 
 Usage: EYAS_HOME=... python bench/bench_regenerate.py [--prompts 64] [--max-new-tokens 192]
-       [--dtype bf16] [--hf-batch 8] [--eyas-batch 128[,64,...]] [--rounds 2] [--threads 2]
+       [--dtype bf16] [--hf-batch 8] [--eyas-batch 128[,64,...]] [--attention auto[,sdpa,matmul]]
+       [--rounds 2] [--threads 2]
 The prompts are the first N built-in prompts (first user turn, chat template applied), sorted
 by length as `eyas data prepare` batches them; each round runs every arm once (eyas at each
-`--eyas-batch`, HF unless `--hf-batch 0`), in reversed order every other round. Counted tokens
+`--eyas-batch` and `--attention` kernel of bf16 decoding, `regenerate.LOW_PRECISION_SDPA`; HF
+unless `--hf-batch 0`), in reversed order every other round. Counted tokens
 stop at the first end-of-turn token, as `eyas data prepare --regenerate` counts them. Also
 reports how many answers each arm writes identically to the reference arm (HF, else the first
 eyas batch size): bf16 batching changes rounding, so some differ; fp32 should not.
@@ -20,11 +22,14 @@ import time
 
 import torch
 
-from eyas import targets
+from eyas import regenerate, targets
 from eyas.builtin_prompts import builtin_prompts
 from eyas.formats.data import end_of_turn_ids
 from eyas.regenerate import decode_batch
 from eyas.stages.data import REGEN_BATCH
+
+
+DEFAULT_SDPA = regenerate.LOW_PRECISION_SDPA
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, stops: list[int], pad: int, batch: int):
@@ -43,7 +48,9 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, stops: list[int],
     return out
 
 
-def eyas_generate(model, prompts, max_new, stops, batch):
+def eyas_generate(model, prompts, max_new, stops, batch, sdpa=None):
+    """`sdpa`: None = this CPU's default kernel for bf16 decoding attention, else forced."""
+    regenerate.LOW_PRECISION_SDPA = DEFAULT_SDPA if sdpa is None else sdpa
     out = []
     for b in range(0, len(prompts), batch):
         out += decode_batch(model, prompts[b:b + batch], max_new, stops, 0.0)
@@ -58,6 +65,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--hf-batch", type=int, default=8, help="0 = no transformers arm")
     ap.add_argument("--eyas-batch", default=str(REGEN_BATCH), help="comma list: one eyas arm per batch size")
+    ap.add_argument("--attention", default="auto",
+                    help="comma list of auto, sdpa, matmul: one eyas arm per kernel of bf16 decoding attention")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -69,8 +78,10 @@ def main() -> None:
     prompts = [tok(tok.apply_chat_template([c.turns[0]], tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for c in convs]
     prompts.sort(key=len)
-    arms = {f"eyas@{b}": (lambda b=b: eyas_generate(model, prompts, args.max_new_tokens, stops, b))
-            for b in map(int, args.eyas_batch.split(","))}
+    kernels = {"auto": None, "sdpa": True, "matmul": False}
+    arms = {f"eyas@{b}" + ("" if a == "auto" else f"/{a}"):
+            (lambda b=b, a=a: eyas_generate(model, prompts, args.max_new_tokens, stops, b, kernels[a]))
+            for b in map(int, args.eyas_batch.split(",")) for a in args.attention.split(",")}
     if args.hf_batch > 0:
         arms["hf"] = lambda: hf_generate(model, prompts, args.max_new_tokens, stops, pad, args.hf_batch)
     rates: dict[str, list[float]] = {k: [] for k in arms}

@@ -307,16 +307,21 @@ def test_plan_batches_bounds_rows_and_padded_tokens():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gqa_attention_equals_eager(dtype):
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_gqa_attention_equals_eager(dtype, sdpa, monkeypatch):
     """The grouped-query attention used for batched decoding equals transformers' eager
     attention (which copies each KV head to its query heads) computed in fp64, with a padding
     mask, on keys and values that are views of a longer buffer as the decoding cache hands
-    them over (fp32: broadcast matmul; bf16: SDPA's grouped kernel, to bf16 rounding)."""
+    them over (broadcast matmul; bf16 on an AMX CPU: SDPA's grouped kernel, to bf16 rounding).
+    Both kernels run here whatever this CPU has."""
     from types import SimpleNamespace
 
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
+    from eyas import regenerate
     from eyas.regenerate import gqa_attention
+
+    monkeypatch.setattr(regenerate, "LOW_PRECISION_SDPA", sdpa)
 
     g = torch.Generator().manual_seed(0)
     B, H, kvh, T, S, D = 3, 6, 2, 2, 11, 8

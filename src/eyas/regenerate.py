@@ -209,22 +209,27 @@ def _last(L: int) -> torch.Tensor:
 
 
 DECODE_ATTENTION = "eyas_gqa_decode"
+# Whether bf16 / fp16 decoding attention goes through SDPA's grouped-query kernel: where the CPU
+# has AMX. Per layer and step, SmolLM2 shapes, 128 rows, keys and values as views of the cache:
+# with AMX SDPA took 10 ms at 900 cached tokens against 58 for the matmul below (2026-12-02);
+# on a Zen 4 CPU without AMX (AVX512-BF16) SDPA took 6.8 / 26 / 58 ms at 100 / 400 / 900 tokens
+# and the matmul 1.0 / 8.1 / 39 (2026-12-04), so there the matmul serves every dtype.
+LOW_PRECISION_SDPA = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def gqa_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
     """Attention for a few queries per sequence over a long KV cache, on CPU, without
     transformers' eager `repeat_kv` copy (B x heads x S x d per layer and step). The cache's
     keys and values are views of a preallocated buffer (strided over the batch). In bf16 / fp16
-    SDPA's grouped-query kernel reads them as they are: 2-6x faster than a matmul on those views
-    (SmolLM2 shapes, 128 rows: 10 vs 58 ms per layer at 900 cached tokens, and closer to an
-    fp64 reference). In fp32 the grouped query heads share their KV head through a broadcast
-    matmul (0.8-1.0x SDPA's time there), softmax in fp32 as eager attention does."""
+    on a CPU with AMX, SDPA's grouped-query kernel reads them as they are (`LOW_PRECISION_SDPA`).
+    Otherwise the grouped query heads share their KV head through a broadcast matmul (in fp32
+    0.8-1.0x SDPA's time), softmax in fp32 as eager attention does."""
     if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:  # `_plain_attention` keeps them out
         raise NotImplementedError("gqa_attention has no attention sinks or logit soft-capping")
     S = key.shape[2]
     if attention_mask is not None:
         attention_mask = attention_mask[..., :S]
-    if query.dtype != torch.float32:
+    if query.dtype != torch.float32 and LOW_PRECISION_SDPA:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                              enable_gqa=True)
         return out.transpose(1, 2), None
