@@ -101,7 +101,8 @@ def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
 
     parser = build_parser()
     values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x"), "device": "cpu",
-              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": CPU_CUTOFF, "time_budget": ("--time-budget", "5")}
+              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": CPU_CUTOFF, "bench_dtype": "fp32",
+              "time_budget": ("--time-budget", "5")}
     values.update({s: str(tmp_path / s) for s in qs.STAGES})
     known = set(parser._subparsers._group_actions[0].choices)
     for stage, template in qs.ARGV.items():
@@ -178,6 +179,7 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
     from eyas import targets
 
     monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu": "fp32")
+    monkeypatch.setattr(targets, "decode_dtype", lambda device="cpu": "fp32")
     rec = Recorder()
     minutes = (0.0, 10.0, 0.0, 10.0, 10.0, 10.0)
     with caplog.at_level(logging.INFO, logger="eyas.stages.quickstart"):
@@ -193,6 +195,24 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
     assert f"about {eta:.0f} min left" in caplog.text and eta > sum(minutes)
 
 
+def test_bench_decodes_in_the_decoding_dtype(tiny_target, tmp_path, monkeypatch):
+    """Where training runs in bf16 but decoding is faster in fp32 (a CPU with AVX512-BF16 and no
+    AMX), the data, capture and train stages get bf16 and the bench fp32, with fp32's draft
+    cutoff and tree."""
+    from eyas import targets
+
+    monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu": "bf16")
+    monkeypatch.setattr(targets, "decode_dtype", lambda device="cpu": "fp32")
+    rec = Recorder()
+    qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "tree": "6,6,24"}),
+                    runner=rec)
+    dtypes = {a[0]: a[a.index("--dtype") + 1] for a in rec.calls if "--dtype" in a}
+    assert dtypes == {"data": "bf16", "capture": "bf16", "train": "bf16", "bench": "fp32"}
+    bench = rec.calls[-1]
+    assert bench[bench.index("--draft-cutoff") + 1] == str(CPU_CUTOFF)
+    assert bench[bench.index("--tree") + 1] == qs.FP32_CPU_TREE
+
+
 def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatch, caplog):
     """Where the stages run in fp32 on a CPU, a plan with an `fp32_cpu` variant runs that variant
     (its own sizes in every argv, its own minutes in the ETA, the bench's fp32 draft cutoff);
@@ -205,6 +225,7 @@ def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatc
     plan = qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": (0, 9, 0, 9, 9, 9), "fp32_cpu": small})
     for fast, prompts, vocab, cutoff in (("fp32", "3", "16", str(CPU_CUTOFF)), ("bf16", "4", "32", str(CPU_BF16_CUTOFF))):
         monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu", fast=fast: fast)
+        monkeypatch.setattr(targets, "decode_dtype", lambda device="cpu", fast=fast: fast)
         rec = Recorder()
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="eyas.stages.quickstart"):

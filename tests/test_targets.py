@@ -74,10 +74,13 @@ def test_dtype_auto_is_bf16_only_where_bf16_is_native(monkeypatch, tmp_path):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         assert targets.fast_dtype("cpu") == want
+        assert targets.decode_dtype("cpu") == ("bf16" if amx else "fp32")  # bf16 decoding only with AMX
     seen = {}
     monkeypatch.setattr(cli, "build_parser", lambda real=cli.build_parser: _spy(real(), seen))
     assert cli.main(["capture", "--target", "x", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 0
     assert seen["dtype"] == "bf16"  # the last capability set above: AVX512-BF16
+    assert cli.main(["bench", "--target", "x", "--out", str(tmp_path / "b")]) == 0
+    assert seen["dtype"] == "fp32"  # the bench decodes: fp32 without AMX
 
 
 def _spy(parser, seen):

@@ -68,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hostmem.retain_freed_memory()  # freed tensor buffers reused, not faulted in afresh (eyas.hostmem)
     try:
-        if getattr(args, "dtype", None) == "auto":  # one meaning for every stage: the machine's fast dtype
+        if getattr(args, "dtype", None) == "auto":  # the machine's fast dtype (for decoding: targets.decode_dtype)
             from eyas import targets
 
-            args.dtype = targets.fast_dtype(getattr(args, "device", None) or "cpu")
+            resolve = targets.decode_dtype if args.command == "bench" else targets.fast_dtype
+            args.dtype = resolve(getattr(args, "device", None) or "cpu")
             logging.getLogger("eyas").info("--dtype auto: %s on this machine", args.dtype)
         return int(args.func(args) or 0)
     except EyasError as e:

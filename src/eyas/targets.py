@@ -84,6 +84,19 @@ def fast_dtype(device: str = "cpu") -> str:
     return "bf16" if any(f() for f in native) else "fp32"
 
 
+def decode_dtype(device: str = "cpu") -> str:
+    """What `--dtype auto` means for decoding (`eyas bench`, the quickstart's bench stage):
+    `fast_dtype`, except fp32 on a CPU without AMX. On a 2-core Zen 4 CPU with AVX512-BF16
+    (2026-12-04) plain fp32 decoding (prepacked) ran 26.5 tok/s against bf16's 25.8 and the same
+    drafter's tree 48.2 against 43.4 (bf16 attention at one query is 4x slower there); with AMX
+    bf16 decoding ran 41 tok/s against fp32's 24."""
+    dt = fast_dtype(device)
+    if dt == "bf16" and parse_device(device).type == "cpu" and not getattr(torch.cpu, "_is_amx_tile_supported",
+                                                                           lambda: False)():
+        return "fp32"
+    return dt
+
+
 def prepack_for_decoding(model, weights: str = "fp32") -> int:
     """Prepack an fp32 CPU model's linear weights for few-row forwards (`core.prepack`; fp16
     weights for a drafter) when the packed copies take at most half of the memory available

@@ -194,7 +194,7 @@ ARGV: dict[str, list[str]] = {
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
               "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--baselines", "plain,pld",
-              "--device", "{device}", "--dtype", "{dtype}", "--out", "{out}", "--force"],
+              "--device", "{device}", "--dtype", "{bench_dtype}", "--out", "{out}", "--force"],
     # the cutoff explicit: a changed default reruns the stage. Baselines plain and prompt lookup only:
     # transformers' generate() (`eyas bench`'s third default) took 40 of the small plan's 163 bench seconds
     # (2026-12-02) and is never the fastest plain decoding here (0.88-0.92x eyas's plain loop)
@@ -266,7 +266,7 @@ def run_stage_cli(argv: list[str], quiet: bool) -> int:
 # regeneration batch (`data prepare --batch-size`): the CLI's default on a CPU; a GPU decodes a
 # wide batch in about the time of a narrow one
 REGEN_BATCH = {"cpu": data_stage.REGEN_BATCH, "cuda": 256}
-# The bench tree where stages run in fp32 on a CPU, instead of a plan's wider one: there a 24-token
+# The bench tree where the bench decodes in fp32 on a CPU, instead of a plan's wider one: there a 24-token
 # verification costs about 1.8x a 1-token one. The GPU-trained medium drafter on its 20 held-out
 # prompts (AVX2 EPYC, 2026-11-30, two runs in a row): tree 4,5,16 1.17x plain (acceptance 2.53),
 # 6,6,24 1.05x (2.71); chain 1.22x / 1.20x. On an H200 a 24-token forward cost 1.07x a 1-token one.
@@ -298,6 +298,8 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
     tdir = targets.resolve(target)
     fp = targets.fingerprint(tdir)
     dtype = targets.fast_dtype(str(dev)) if plan.dtype == "auto" else plan.dtype
+    # the bench decodes in fp32 on a CPU without AMX even where training runs in bf16 (targets.decode_dtype)
+    bench_dtype = targets.decode_dtype(str(dev)) if plan.dtype == "auto" else plan.dtype
     log.info("dtype: %s on %s", dtype, dev)
     fp32_cpu = dtype == "fp32" and dev.type == "cpu"
     # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
@@ -309,8 +311,9 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
                  plan.prompts, plan.train_epochs, plan.draft_vocab)
     # the concrete device and dtype go into every argv, hence into the stage hashes
     values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type],
-              "dtype": dtype, "draft_cutoff": default_cutoff(dev, targets.parse_dtype(dtype))}
-    if fp32_cpu:
+              "dtype": dtype, "bench_dtype": bench_dtype,
+              "draft_cutoff": default_cutoff(dev, targets.parse_dtype(bench_dtype))}
+    if bench_dtype == "fp32" and dev.type == "cpu":
         values["tree"] = FP32_CPU_TREE
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
     remaining = [m * f for m, f in zip(plan.minutes[1:], slow)]  # CPU minutes: no estimate on a GPU
