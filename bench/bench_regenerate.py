@@ -70,6 +70,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    kernels = {"auto": None, "sdpa": True, "matmul": False}
+    if bad := set(args.attention.split(",")) - set(kernels):
+        ap.error(f"--attention {args.attention}: unknown {', '.join(sorted(bad))}; use auto, sdpa or matmul")
     torch.set_num_threads(args.threads)
     model, tok = targets.load(targets.resolve(args.target), dtype=args.dtype)
     stops = end_of_turn_ids(tok)
@@ -78,7 +81,6 @@ def main() -> None:
     prompts = [tok(tok.apply_chat_template([c.turns[0]], tokenize=False, add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for c in convs]
     prompts.sort(key=len)
-    kernels = {"auto": None, "sdpa": True, "matmul": False}
     arms = {f"eyas@{b}" + ("" if a == "auto" else f"/{a}"):
             (lambda b=b, a=a: eyas_generate(model, prompts, args.max_new_tokens, stops, b, kernels[a]))
             for b in map(int, args.eyas_batch.split(",")) for a in args.attention.split(",")}

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.errors import EyasError
+from eyas.targets import cpu_has_amx
 from eyas.formats.prompts import Conversation, dedup_key
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ DECODE_ATTENTION = "eyas_gqa_decode"
 # with AMX SDPA took 10 ms at 900 cached tokens against 58 for the matmul below (2026-12-02);
 # on a Zen 4 CPU without AMX (AVX512-BF16) SDPA took 6.8 / 26 / 58 ms at 100 / 400 / 900 tokens
 # and the matmul 1.0 / 8.1 / 39 (2026-12-04), so there the matmul serves every dtype.
-LOW_PRECISION_SDPA = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+LOW_PRECISION_SDPA = cpu_has_amx()
 
 
 def gqa_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):

@@ -90,8 +90,8 @@ def register(sub) -> None:
                    help="run the checkpoint as eyas does, or as SGLang / vLLM would load and feed it")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "auto"),
                    help="fp32 (default: greedy output checked token for token against plain decoding), bf16, or "
-                   "auto = bf16 on CUDA and AMX CPUs, else fp32 (measured faster for decoding on a CPU with AVX512-BF16 "
-                   "but no AMX)")
+                   "auto = bf16 on CUDA and AMX CPUs, else fp32 (measured faster for decoding on a CPU with "
+                   "AVX512-BF16 but no AMX)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--no-prepack", action="store_true",
                    help="keep PyTorch's plain CPU linear layers. Default on CPU in fp32: every linear weight of "

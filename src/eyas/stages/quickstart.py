@@ -47,7 +47,8 @@ class Plan:
     batch_tokens: int
     bench_prompts: int
     bench_new_tokens: int
-    # resolved per machine (targets.fast_dtype): bf16 on CUDA and CPUs with AMX or AVX512-BF16, else fp32
+    # resolved per machine (targets.fast_dtype): bf16 on CUDA and CPUs with AMX or AVX512-BF16, else fp32;
+    # the bench stage's by targets.decode_dtype (fp32 on a CPU without AMX)
     dtype: str = "auto"
     minutes: tuple[float, ...] = (0.2, 6, 0.2, 1, 6, 4)
     inputs: tuple[str, ...] = ("builtin",)  # `eyas data prepare --input`
