@@ -157,10 +157,16 @@ PLANS = {
     # over plain 1.76x both in separate runs, 1.88x vs 1.72x paired prompt by prompt in one process.
     # Data ETA 24 min: 31.5 less the ~8 min the SDPA decoding attention and bounded batches saved on its
     # last two regeneration batches (721 -> 247 s, same day); the whole stage not rerun.
+    # Muon instead of AdamW (2026-12-04, a 2-core Zen 4 CPU: this plan's fresh capture, its train argv twice side
+    # by side, one thread each, --time-budget 40 both): Muon 1,296 steps, val simulated acceptance 2.568 (acc_0
+    # 0.604) vs AdamW 1,600 steps 2.298 (0.545); Muon ahead at every evaluation, at equal steps (600: 2.19 vs
+    # 1.85) and at equal time. Served in one `eyas bench` on 10 MT-bench + 10 MBPP (fp32, cutoff 0.1, 96 tokens):
+    # tree 4,5,16 acceptance 1.80 vs 1.71 (1.54x vs 1.50x plain), chain 1.64 vs 1.57. The train ETA is AdamW's
+    # 32 min times Muon's 1.25x longer bf16 steps.
     "medium": Plan(prompts=4000, answer_tokens=192, eval_fraction=0.04, max_len=1024, draft_vocab=8192,
                    train_epochs=3, train_max_steps=5000, ttt=5, batch_tokens=1024, bench_prompts=20,
-                   bench_new_tokens=128, minutes=(0.2, 24, 0.1, 7, 32, 4.2), inputs=("builtin-public", "builtin"),
-                   tree="6,6,24"),
+                   bench_new_tokens=128, minutes=(0.2, 24, 0.1, 7, 40, 4.2), inputs=("builtin-public", "builtin"),
+                   tree="6,6,24", optimizer="muon"),
     # large: sized for a GPU, where Muon's step costs milliseconds (5.5 ms for SmolLM2's drafter on an H200,
     # against steps of 8192 tokens) and trained the small plan's drafter better in less time (above)
     "large": Plan(prompts=4000, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
@@ -210,7 +216,7 @@ def register(sub) -> None:
                    "run in fp32 on a CPU, a plan sized for that: 360 prompts): training gets what is left of 19.5 "
                    "min after the stages before it and the bench's estimate (at least 2 min), so a slow hour "
                    "trains fewer steps; "
-                   "medium: ~70-80 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
+                   "medium: ~75-90 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
                    "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
