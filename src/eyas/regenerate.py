@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from eyas.errors import EyasError
-from eyas.targets import cpu_has_amx
 from eyas.formats.prompts import Conversation, dedup_key
+from eyas.targets import cpu_has_amx
 
 log = logging.getLogger(__name__)
 WORK_VERSION = 3  # 3: each batch record carries its `cut` count
