@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hostmem.retain_freed_memory()  # freed tensor buffers reused, not faulted in afresh (eyas.hostmem)
     try:
-        if getattr(args, "dtype", None) == "auto":  # the machine's fast dtype (for decoding: targets.decode_dtype)
+        if getattr(args, "dtype", None) == "auto":  # the machine's fast dtype, or the subcommand's own rule
             from eyas import targets
 
-            resolve = targets.decode_dtype if args.command == "bench" else targets.fast_dtype
+            resolve = getattr(args, "auto_dtype", None) or targets.fast_dtype
             args.dtype = resolve(getattr(args, "device", None) or "cpu")
             logging.getLogger("eyas").info("--dtype auto: %s on this machine", args.dtype)
         return int(args.func(args) or 0)

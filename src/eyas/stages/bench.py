@@ -109,7 +109,7 @@ def register(sub) -> None:
     p.add_argument("--out", default="bench-report", help="report directory (default ./bench-report)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     add_json_flag(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, auto_dtype=targets.decode_dtype)  # what --dtype auto means here (eyas.cli)
 
 
 # ---------------------------------------------------------------- inputs
