@@ -163,9 +163,14 @@ PLANS = {
     # 1.85) and at equal time. Served in one `eyas bench` on 10 MT-bench + 10 MBPP (fp32, cutoff 0.1, 96 tokens):
     # tree 4,5,16 acceptance 1.80 vs 1.71 (1.54x vs 1.50x plain), chain 1.64 vs 1.57. The train ETA is AdamW's
     # 32 min times Muon's 1.25x longer bf16 steps.
+    # The whole plan end to end with Muon (2026-12-05, that Zen 4 CPU, fresh directory, nothing else running):
+    # 101.7 min (data 26.8, vocab 0.0, capture 14.2, train 56.0 for all 2,862 steps, bench 4.7), peak RSS 9.6 GB;
+    # val simulated acceptance 3.00 (acc_0 0.683). Own bench (20 held-out prompts, fp32, cutoff 0.1): tree 4,5,16
+    # 1.87x plain (acceptance 2.31), chain 1.77x, prompt lookup 1.15x. MT-bench (2 per category) + MBPP, fp32:
+    # tree 1.78x (2.20), chain 1.63x; tree 8,7,48 at cutoff 0: acceptance 3.16 at 0.91x. `minutes` are that run's.
     "medium": Plan(prompts=4000, answer_tokens=192, eval_fraction=0.04, max_len=1024, draft_vocab=8192,
                    train_epochs=3, train_max_steps=5000, ttt=5, batch_tokens=1024, bench_prompts=20,
-                   bench_new_tokens=128, minutes=(0.2, 24, 0.1, 7, 40, 4.2), inputs=("builtin-public", "builtin"),
+                   bench_new_tokens=128, minutes=(0.2, 27, 0.1, 14, 56, 4.7), inputs=("builtin-public", "builtin"),
                    tree="6,6,24", optimizer="muon"),
     # large: sized for a GPU, where Muon's step costs milliseconds (5.5 ms for SmolLM2's drafter on an H200,
     # against steps of 8192 tokens) and trained the small plan's drafter better in less time (above)
@@ -216,7 +221,7 @@ def register(sub) -> None:
                    "run in fp32 on a CPU, a plan sized for that: 360 prompts): training gets what is left of 19.5 "
                    "min after the stages before it and the bench's estimate (at least 2 min), so a slow hour "
                    "trains fewer steps; "
-                   "medium: ~75-90 min on the bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
+                   "medium: ~100 min on a 2-core bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
                    "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
