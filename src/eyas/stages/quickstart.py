@@ -161,8 +161,7 @@ PLANS = {
     # by side, one thread each, --time-budget 40 both): Muon 1,296 steps, val simulated acceptance 2.568 (acc_0
     # 0.604) vs AdamW 1,600 steps 2.298 (0.545); Muon ahead at every evaluation, at equal steps (600: 2.19 vs
     # 1.85) and at equal time. Served in one `eyas bench` on 10 MT-bench + 10 MBPP (fp32, cutoff 0.1, 96 tokens):
-    # tree 4,5,16 acceptance 1.80 vs 1.71 (1.54x vs 1.50x plain), chain 1.64 vs 1.57. The train ETA is AdamW's
-    # 32 min times Muon's 1.25x longer bf16 steps.
+    # tree 4,5,16 acceptance 1.80 vs 1.71 (1.54x vs 1.50x plain), chain 1.64 vs 1.57.
     # The whole plan end to end with Muon (2026-12-05, that Zen 4 CPU, fresh directory, nothing else running):
     # 101.7 min (data 26.8, vocab 0.0, capture 14.2, train 56.0 for all 2,862 steps, bench 4.7), peak RSS 9.6 GB;
     # val simulated acceptance 3.00 (acc_0 0.683). Own bench (20 held-out prompts, fp32, cutoff 0.1): tree 4,5,16
@@ -221,8 +220,8 @@ def register(sub) -> None:
                    "run in fp32 on a CPU, a plan sized for that: 360 prompts): training gets what is left of 19.5 "
                    "min after the stages before it and the bench's estimate (at least 2 min), so a slow hour "
                    "trains fewer steps; "
-                   "medium: ~100 min on a 2-core bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the same "
-                   "prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
+                   "medium: ~100 min on a 2-core bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the "
+                   "same prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
     p.add_argument("--device", default="auto", help="where every stage runs: cpu, cuda, cuda:N or auto (cuda when "
@@ -314,7 +313,7 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
     bench_dtype = targets.decode_dtype(str(dev)) if plan.dtype == "auto" else plan.dtype
     log.info("dtype: %s on %s", dtype, dev)
     fp32_cpu = dtype == "fp32" and dev.type == "cpu"
-    # plan.minutes were measured in bf16 on AMX CPUs; where auto picks fp32 (no native bf16) the
+    # plan.minutes were measured in bf16 (CPUs with AMX or AVX512-BF16); where auto picks fp32 (no native bf16) the
     # stages take longer (FP32_CPU_SLOWDOWN), unless the plan has a variant sized for such a CPU
     slow = FP32_CPU_SLOWDOWN if fp32_cpu else (1.0,) * len(FP32_CPU_SLOWDOWN)
     if fp32_cpu and plan.fp32_cpu is not None:
