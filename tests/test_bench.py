@@ -53,7 +53,8 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     assert code == 0, err
     summary = json.loads(stdout)
     assert summary["greedy_mismatches"] == 0
-    assert set(summary["methods"]) == {"plain", "hf", "pld", "chain", "tree"}
+    assert set(summary["methods"]) == {"plain", "hf", "pld", "chain", "tree", "tree+lookup"}  # the defaults
+    assert summary["mismatches_vs_plain"]["tree+lookup"] == 0
     assert summary["mismatches_vs_plain"]["hf"] == 0
     packable = prepack.supported(torch.float32, "cpu")  # target and drafter linears prepacked (fp32 CPU)
     assert (summary["prepacked_linears"] > 0) == packable
@@ -74,7 +75,7 @@ def test_bench_writes_report(eyas_cli, tiny_target, drafter_dir, prompt_file, tm
     rep = json.loads((out / "report.json").read_text())
     assert len(rep["per_prompt"]) == 2 and "math" in rep["by_category"]
     gap = rep["summary"]["first_draft_gap"]  # no metrics.jsonl next to this checkpoint: no val figure
-    assert set(gap) == {"chain", "tree"} and gap["chain"]["val_acc_0"] is None
+    assert set(gap) == {"chain", "tree", "tree+lookup"} and gap["chain"]["val_acc_0"] is None
     md = (out / "report.md").read_text()
     assert "First-draft acceptance" in md  # a random drafter under the fp32 cutoff may propose nothing
     assert gap["chain"]["agreement"] == (1.0 if gap["chain"]["proposed"] > 0 else None), gap
@@ -114,17 +115,21 @@ def test_bench_baselines_only_and_bad_input(eyas_cli, tiny_target, prompt_file, 
                                 "--out", tmp_path / "g")
         assert code == 2 and err.count("\n") == 1 and "named twice" in err, (flag, err)
         assert not (tmp_path / "g").exists()
+    code, _, err = eyas_cli("bench", "--target", tiny_target, "--prompts", prompt_file, "--engine", "vllm",
+                            "--methods", "chain,tree+lookup", "--out", tmp_path / "h")
+    assert code == 2 and err.count("\n") == 1 and "vllm serves the drafter without a prompt-lookup branch" in err
+    assert not (tmp_path / "h").exists()
 
 
 def test_bench_engine_emulation_and_sampling(eyas_cli, tiny_target, drafter_dir, prompt_file, tmp_path):
     code, stdout, err = eyas_cli("bench", "--target", tiny_target, "--drafter", drafter_dir, "--prompts", prompt_file,
-                                 "--engine", "sglang", "--baselines", "plain", "--methods", "chain,tree",
+                                 "--engine", "sglang", "--baselines", "plain",
                                  "--temperature", "0.8", "--top-p", "0.9", "--max-new-tokens", "8", "--limit", "1",
                                  "--no-prepack", "--out", tmp_path / "e", "--json")
     assert code == 0, err
     s = json.loads(stdout)
     assert s["engine"] == "sglang" and s["greedy_mismatches"] is None and s["prepacked_linears"] == 0
-    assert s["draft_cutoff"] == 0.0
+    assert s["draft_cutoff"] == 0.0 and set(s["methods"]) == {"plain", "chain", "tree"}  # what the engine serves
     assert s["methods"]["chain"]["tokens"] > 0 and s["methods"]["tree"]["tokens"] > 0
 
 
@@ -152,9 +157,10 @@ def test_bench_runs_several_drafters_side_by_side(eyas_cli, tiny_target, drafter
                                  "--prompts", prompt_file, "--out", tmp_path / "both", *flags)
     assert code == 0, err
     both = json.loads(stdout)
-    assert list(both["methods"]) == ["plain", "chain@drafter", "tree@drafter", "chain@run2", "tree@run2"]
+    runs = [f"{m}@{n}" for n in ("drafter", "run2") for m in ("chain", "tree", "tree+lookup")]
+    assert list(both["methods"]) == ["plain", *runs]
     assert both["drafters"] == {"drafter": str(drafter_dir), "run2": str(other)} and both["greedy_mismatches"] == 0
-    assert set(both["first_draft_gap"]) == {"chain@drafter", "tree@drafter", "chain@run2", "tree@run2"}
+    assert set(both["first_draft_gap"]) == set(runs)
     md = (tmp_path / "both" / "report.md").read_text()
     assert f"run2 = `{other}`" in md and "| tree@run2 |" in md
     for name, path in both["drafters"].items():  # each pair runs exactly as that drafter alone (fp32: same steps)
@@ -162,7 +168,7 @@ def test_bench_runs_several_drafters_side_by_side(eyas_cli, tiny_target, drafter
                                      "--out", tmp_path / f"alone_{name}", *flags)
         assert code == 0, err
         alone = json.loads(stdout)
-        for m in ("chain", "tree"):
+        for m in ("chain", "tree", "tree+lookup"):
             assert alone["methods"][m]["acceptance_by_position"] == both["methods"][f"{m}@{name}"]["acceptance_by_position"]
             assert alone["methods"][m]["verify_steps"] == both["methods"][f"{m}@{name}"]["verify_steps"]
     assert both["methods"]["tree@drafter"]["acceptance_by_position"] != both["methods"]["tree@run2"]["acceptance_by_position"]

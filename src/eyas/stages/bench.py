@@ -34,6 +34,12 @@ EYAS_METHODS = ("chain", "tree", "chain" + LOOKUP, "tree" + LOOKUP)
 # each): 5 tokens tree+lookup 1.13x tree in the same run (acceptance 1.93, step cost 1.44); 10 tokens
 # 1.07x (1.97, 1.49). Engines serve the drafter alone: this branch is eyas's runtime only.
 LOOKUP_TOKENS = 5
+# --methods when not given. With eyas's own runtime, tree+lookup too: on the 2-core Zen 4 EPYC (the
+# medium quickstart drafter, 16 MT-bench (2 per category) + 10 MBPP prompts, 96 tokens, fp32, one run)
+# plain 23.3 tok/s, tree 1.82x, tree+lookup 1.97x; MT-bench half 1.68x vs 1.91x (prompt lookup 1.16x).
+# Under --engine emulation only what the engine serves: the drafter alone.
+DEFAULT_METHODS = "chain,tree,tree" + LOOKUP
+ENGINE_METHODS = "chain,tree"
 # Default --draft-cutoff for fp32 on a CPU. On the 2-core AVX2 EPYC (20 MT-bench + MBPP prompts, 48
 # tokens, k 5, tree 4,5,16, interleaved with plain): a medium drafter chain 1.13x -> 1.27x, tree
 # 1.08x -> 1.29x over plain at 0.1 (0.05: 1.27x / 1.24x; 0.2: 1.26x / 1.25x); a small one
@@ -76,11 +82,13 @@ def register(sub) -> None:
                    f"1.1-1.25x faster with it), {CPU_BF16_CUTOFF} for bf16 on a CPU (where each draft step costs; "
                    "measured 1.03-1.12x faster), unless --engine emulates SGLang / vLLM; else 0 (always k drafts / "
                    "TOKENS nodes). Pass 0 to measure the drafter's full-budget acceptance length")
-    p.add_argument("--methods", default="chain,tree",
-                   help="eyas methods to run: chain, tree, chain+lookup, tree+lookup (comma list; default "
-                        "chain,tree). +lookup adds a prompt-lookup branch to every draft: the up to "
-                        "--lookup-tokens tokens that followed the latest earlier occurrence of the last 3/2/1 "
-                        "tokens in prompt and output, verified in the same forward (output unchanged)")
+    p.add_argument("--methods", default=None,
+                   help=f"eyas methods to run: chain, tree, chain+lookup, tree+lookup (comma list; default "
+                        f"{DEFAULT_METHODS}, with --engine sglang|vllm {ENGINE_METHODS}). +lookup adds a "
+                        "prompt-lookup branch to every draft: the up to --lookup-tokens tokens that followed the "
+                        "latest earlier occurrence of the last 3/2/1 tokens in prompt and output, verified in the "
+                        "same forward (output unchanged). Engines serve the drafter alone: chain and tree are what "
+                        "a deployment gets")
     p.add_argument("--lookup-tokens", type=int, default=LOOKUP_TOKENS,
                    help=f"length of the +lookup branch (default {LOOKUP_TOKENS})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -263,6 +271,10 @@ def method_list(args, names: list[str]) -> list[str]:
     bad = [m for m in eyas if m not in EYAS_METHODS]
     if bad:
         raise EyasError(f"--methods: unknown {bad}; use a comma list of {', '.join(EYAS_METHODS)}")
+    grafted = [m for m in eyas if m.endswith(LOOKUP)]
+    if grafted and args.engine != "eyas":
+        raise EyasError(f"--methods {','.join(grafted)} with --engine {args.engine}: {args.engine} serves the drafter "
+                        f"without a prompt-lookup branch; use --methods {ENGINE_METHODS} (or --engine eyas)")
     for flag, given in (("--baselines", base), ("--methods", eyas)):
         twice = sorted({m for m in given if given.count(m) > 1})
         if twice:  # a method run twice per prompt would shift every per-prompt figure after it
@@ -284,7 +296,10 @@ def kind(method: str) -> str:
 
 
 def check_args(args) -> None:
-    """Numbers bench cannot run with: exit 2 before the target loads."""
+    """Numbers bench cannot run with: exit 2 before the target loads. Resolves the default --methods."""
+    if args.methods is None:
+        args.methods = DEFAULT_METHODS if args.engine == "eyas" else ENGINE_METHODS
+    method_list(args, [])  # unknown, repeated or engine-less methods and baselines
     for flag, v in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit),
                     ("--threads", args.threads), ("--max-prompt-tokens", args.max_prompt_tokens),
                     ("--repeats", args.repeats), ("--lookup-tokens", args.lookup_tokens)):

@@ -26,7 +26,7 @@ from typing import Callable
 from eyas import targets
 from eyas.errors import EyasError
 from eyas.stages import data as data_stage
-from eyas.stages.bench import default_cutoff, method_rows
+from eyas.stages.bench import DEFAULT_METHODS, default_cutoff, method_rows
 from eyas.stages.common import add_json_flag, emit, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -205,8 +205,9 @@ ARGV: dict[str, list[str]] = {
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
               "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
               "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--baselines", "plain,pld",
+              "--methods", DEFAULT_METHODS,
               "--device", "{device}", "--dtype", "{bench_dtype}", "--out", "{out}", "--force"],
-    # the cutoff explicit: a changed default reruns the stage. Baselines plain and prompt lookup only:
+    # the cutoff and methods explicit: a changed default reruns the stage. Baselines plain and prompt lookup only:
     # transformers' generate() (`eyas bench`'s third default) took 40 of the small plan's 163 bench seconds
     # (2026-12-02) and is never the fastest plain decoding here (0.88-0.92x eyas's plain loop)
 }
