@@ -585,10 +585,10 @@ def markdown(report: dict) -> str:
                 "acceptance lengths are of the pruned drafts; `--draft-cutoff 0` for the full budget), "
                 if s.get("draft_cutoff") else "")
              + f"{s.get('prepacked_linears', 0)} linear layers prepacked (`--no-prepack`: 0)"
-             + (", the drafter's in fp16 (fbgemm; the target verifies every draft)" if s.get("drafter_weights") == "fp16"
-                else "")
-             + (f", each method run {s['repeats']} times per prompt, the run of median wall time per token kept" if s.get("repeats", 1) > 1
-                else "") + "\n",
+             + (", the drafter's in fp16 (fbgemm; the target verifies every draft)"
+                if s.get("drafter_weights") == "fp16" else "")
+             + (f", each method run {s['repeats']} times per prompt, the run of median wall time per token kept"
+                if s.get("repeats", 1) > 1 else "") + "\n",
              "| method | tok/s | speedup vs plain | acceptance length | step cost (target + drafter) | target | "
              "drafter | overhead |",
              "|---|---|---|---|---|---|---|---|"]
@@ -616,7 +616,8 @@ def markdown(report: dict) -> str:
     methods = list(s["methods"])
     lines += ["| category | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
     for c, row in report["by_category"].items():
-        lines.append(f"| {c} ({row['plain']['prompts']}) | " + " | ".join(f"{row[m]['speedup']:.2f}x" for m in methods) + " |")
+        speedups = " | ".join(f"{row[m]['speedup']:.2f}x" for m in methods)
+        lines.append(f"| {c} ({row['plain']['prompts']}) | {speedups} |")
     for note in s.get("engine_notes") or []:
         lines.append(f"\n> engine: {note}")
     return "\n".join(lines) + "\n"
