@@ -200,8 +200,8 @@ ARGV: dict[str, list[str]] = {
     "train": ["train", "--target", "{target}", "--capture", "{capture}", "--vocab", "{vocab}/vocab.safetensors",
               "--epochs", "{train_epochs}", "--max-steps", "{train_max_steps}", "--ttt", "{ttt}",
               "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--device", "{device}",
-              "--dtype", "{dtype}", "--aux-gain", "rms", "--optimizer", "{optimizer}", "{time_budget}", "--out", "{out}",
-              "--force"],
+              "--dtype", "{dtype}", "--aux-gain", "rms", "--optimizer", "{optimizer}", "{time_budget}",
+              "--out", "{out}", "--force"],
     # --aux-gain explicit: runs trained before it are not reused. {time_budget}: see train_budget.
     # --optimizer: each plan's own (Plan.optimizer), the one its minutes and steps were measured with
     "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
