@@ -20,9 +20,9 @@ for SmolLM2's drafter in bf16 on 2 CPU cores, about 7% of a 1024-token training 
 Why eyas has its own and not `torch.optim.Muon`: that one runs the iteration in bf16, which
 on a CPU without native bf16 costs about five times the fp32 iteration; here the iteration's
 dtype is the caller's (`eyas.training` passes the training's compute dtype), and with the
-reference iteration in bf16 the update equals `torch.optim.Muon`'s (tests/test_muon.py). The AdamW half is torch's AdamW
-update written out (equal to `torch.optim.AdamW` in tests), so one optimizer, one state dict
-and one scheduler carry both halves through checkpoints and `--resume`.
+reference iteration in bf16 the update equals `torch.optim.Muon`'s (tests/test_muon.py). The
+AdamW half is torch's AdamW update written out (equal to `torch.optim.AdamW` in tests), so one
+optimizer, one state dict and one scheduler carry both halves through checkpoints and `--resume`.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def orthogonalize(g: torch.Tensor, coefficients: Coefficients = FAST,
         x = x.T  # iterate on the (small, small x large) side: the Gram matrix is the smaller one
     x = x / x.norm().clamp(min=1e-7)  # spectral norm <= Frobenius norm = 1
     gram = x @ x.T  # (m, m)
-    if coefficients is not REFERENCE:
+    if coefficients != REFERENCE:  # by value: an equal schedule built elsewhere is the reference too
         t = gram.float().norm().clamp(min=1e-30).rsqrt()  # s_max <= ||gram||_F^(1/2) = (sum s^4)^(1/4) <= 1
         x, gram = x * t.to(dtype), gram * (t * t).to(dtype)
     for i, (a, b, c) in enumerate(coefficients):
