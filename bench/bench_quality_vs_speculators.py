@@ -27,7 +27,13 @@ importer (`formats.engines.import_checkpoint`) so both run in the same runtime.
 
     python bench/bench_quality_vs_speculators.py --capture CAP [CAP ...] --vocab V.safetensors \
         --prompts P.jsonl --out OUT [--ttt 5] [--max-steps 300] [--batch-tokens 4096] \
-        [--eyas-epochs E] [--eyas-flags norm_before_residual,norm_before_fc,norm_output] [--draft-cutoff 0]
+        [--eyas-epochs E] [--eyas-flags norm_before_residual,norm_before_fc,norm_output] [--draft-cutoff 0] \
+        [--eyas-run RUN] [--speculators-minutes M]
+
+`--eyas-run` takes a finished `eyas train` run on the same capture and plan (the quickstart's own train
+stage, say) instead of training eyas again. `--speculators-minutes` is an equal-time comparison: speculators'
+loop stops when that much time is spent, its schedule following steps or time, whichever is further along
+(as `eyas train --time-budget`); pass eyas's loop time to give both the same wall clock on this machine.
 
 Each phase writes its result under OUT and is skipped when rerun (delete it to redo).
 """
@@ -121,10 +127,15 @@ def train_speculators(a) -> dict:
     loss_cfg = resolve_loss_config("kl_div", "eager")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, training.lr_lambda(len(plan), max(1, int(0.03 * len(plan)))))
     ac = torch.bfloat16 if a.dtype == "bf16" else None
-    tokens, t0 = 0, time.perf_counter()
+    tokens, t0, budget = 0, time.perf_counter(), (a.speculators_minutes or 0) * 60
+    spent = (lambda: min(1.0, (time.perf_counter() - t0) / budget)) if budget else None
+    warmup = max(1, int(0.03 * len(plan)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, training.lr_lambda(len(plan), warmup, spent))
+    done = 0
     for step, idxs in enumerate(plan):
+        if spent is not None and spent() >= 1.0:
+            break
         items = [src.splits["train"][i] for i in idxs]
         packs, cur = [], []
         for it in items:
@@ -153,6 +164,7 @@ def train_speculators(a) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
+        done = step + 1
         if step % 10 == 0 or step == len(plan) - 1:
             dt = time.perf_counter() - t0
             print(f"speculators step {step + 1}/{len(plan)} loss {loss.item():.4f} {tokens / dt:.0f} tok/s", flush=True)
@@ -163,7 +175,8 @@ def train_speculators(a) -> dict:
     d = Eagle3Drafter(cfg)
     d.load_state_dict({k: v for k, v in state.items() if k in d.state_dict()}, strict=False)
     save_checkpoint(a.out / "speculators_eyas", d, {"kind": "imported", "source": str(a.out / "speculators")})
-    return {"seconds": dt, "steps": len(plan), "tokens": tokens, "tokens_per_s": tokens / dt, "own_val": own,
+    return {"seconds": dt, "steps": done, "planned_steps": len(plan), "tokens": tokens, "tokens_per_s": tokens / dt,
+            "own_val": own,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -188,13 +201,30 @@ def own_eval(model, readers, a, loss_cfg, ac) -> dict:
     return {f"full_acc_{i}": sums[f"full_acc_{i}_sum"] / max(1.0, sums[f"full_acc_{i}_total"]) for i in range(a.ttt)}
 
 
+def eyas_run_dir(a) -> Path:
+    return a.eyas_run or a.out / "eyas"
+
+
+def adopt_eyas_run(a) -> dict:
+    """`--eyas-run`: check the run trained this comparison's plan, and take its figures."""
+    run = json.loads((a.eyas_run / "run.json").read_text())
+    cfg, want = run["train_config"], {"ttt": a.ttt, "epochs": a.eyas_epochs, "batch_tokens": a.batch_tokens,
+                                      "max_len": a.max_len, "lr": a.lr, "seed": 0}
+    if str(Path(run["features"]).resolve()) not in {str(c.resolve()) for c in a.capture}:
+        sys.exit(f"{a.eyas_run} trained on {run['features']}, not on --capture")
+    bad = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
+    if bad:
+        sys.exit(f"{a.eyas_run} trained with other settings (run, here): {bad}")
+    return {"from": str(a.eyas_run), "optimizer": cfg.get("optimizer"), "aux_gain": cfg.get("aux_gain")}
+
+
 def eyas_real_throughput(a) -> dict:
     """eyas's tokens/s counts each sample's (max-len-capped) length; speculators' count drops
     the one token shifted off per sample. Recount eyas's tokens that way over the same loop time."""
     _, _, lengths, plan = train_plan(a, a.eyas_epochs)
     counted = sum(lengths[i] for b in plan for i in b)
     real = sum(lengths[i] - 1 for b in plan for i in b)
-    train_rows = [json.loads(l) for l in (a.out / "eyas" / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    train_rows = [json.loads(l) for l in (eyas_run_dir(a) / "metrics.jsonl").read_text().splitlines() if l.strip()]
     tps = [r["tokens_per_s"] for r in train_rows if r.get("kind") == "train" and "tokens_per_s" in r][-1]
     seconds = counted / tps
     return {"loop_seconds": seconds, "real_tokens": real, "counted_tokens": counted, "tokens_per_s": real / seconds}
@@ -235,6 +265,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="eyas bench --repeats (median-wall run of R per prompt)")
     p.add_argument("--draft-cutoff", default="0", help="eyas bench --draft-cutoff (default 0: every draft runs to its full "
                    "size, so acceptance measures the drafter, not the cutoff)")
+    p.add_argument("--eyas-run", type=Path, help="a finished `eyas train` run on this capture and plan, used "
+                   "instead of training eyas here (its settings are checked against these)")
+    p.add_argument("--speculators-minutes", type=float, help="equal time: stop speculators' loop after M minutes, "
+                   "its schedule following steps or time, whichever is further along")
     p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
     a = p.parse_args()
     a.eyas_epochs = a.eyas_epochs or a.epochs
@@ -245,10 +279,12 @@ def main() -> None:
         (a.out / f"train_{a.which}.json").write_text(json.dumps(res, indent=1) + "\n")
         return
     argv = [x for x in sys.argv[1:]]
+    if a.eyas_run and not (a.out / "train_eyas.json").exists():
+        (a.out / "train_eyas.json").write_text(json.dumps(adopt_eyas_run(a), indent=1) + "\n")
     for which in ("eyas", "speculators"):
         if not (a.out / f"train_{which}.json").exists():
             run([sys.executable, __file__, "--which", which, *argv], a.out / f"train_{which}.log")
-    drafters = {"eyas": a.out / "eyas" / "final", "speculators": a.out / "speculators_eyas"}
+    drafters = {"eyas": eyas_run_dir(a) / "final", "speculators": a.out / "speculators_eyas"}
     res = {"settings": {k: str(v) for k, v in vars(a).items() if k != "which"}}
     bdir = a.out / "bench_both"  # both drafters in one run, prompt by prompt, one plain baseline
     cmd = eyas_cmd("bench", "--target", a.target, "--drafter", *map(str, drafters.values()),

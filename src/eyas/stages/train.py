@@ -92,9 +92,9 @@ def register(sub) -> None:
     p.add_argument("--optimizer", default="muon", choices=("muon", "adamw"),
                    help="muon (default): Muon on the hidden matrices, AdamW on the rest; on the fp32 quickstart's "
                    "features it reached in 400 steps what AdamW reached in 855, and ended 1.09x higher in simulated "
-                   "acceptance, but its Newton-Schulz iteration adds ~0.46 s per step on a 2-core CPU (SmolLM2's "
-                   "drafter; negligible on a GPU), a cost per step, so it weighs less at large --batch-tokens. adamw: "
-                   "AdamW on all")
+                   "acceptance, but its Newton-Schulz iteration adds about 0.12 s per step (SmolLM2's drafter, bf16, "
+                   "2-core Zen 4 CPU; negligible on a GPU), a cost per step, so it weighs less at large "
+                   "--batch-tokens. adamw: AdamW on all")
     p.add_argument("--weight-decay", type=float, default=0.0,
                    help="decoupled weight decay, both optimizers (default 0)")
     p.add_argument("--keep-last", type=int, default=2, help="step checkpoints to keep (default 2)")
