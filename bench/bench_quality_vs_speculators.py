@@ -205,16 +205,24 @@ def eyas_run_dir(a) -> Path:
     return a.eyas_run or a.out / "eyas"
 
 
+def bad_input(msg: str) -> None:
+    print(msg, file=sys.stderr)
+    sys.exit(2)
+
+
 def adopt_eyas_run(a) -> dict:
     """`--eyas-run`: check the run trained this comparison's plan, and take its figures."""
+    if not (a.eyas_run / "run.json").is_file() or not (a.eyas_run / "final").is_dir():
+        bad_input(f"--eyas-run {a.eyas_run}: not a finished `eyas train` run (needs run.json and final/); "
+                 "pass the run directory itself, or drop --eyas-run to train eyas here")
     run = json.loads((a.eyas_run / "run.json").read_text())
     cfg, want = run["train_config"], {"ttt": a.ttt, "epochs": a.eyas_epochs, "batch_tokens": a.batch_tokens,
                                       "max_len": a.max_len, "lr": a.lr, "seed": 0}
     if str(Path(run["features"]).resolve()) not in {str(c.resolve()) for c in a.capture}:
-        sys.exit(f"{a.eyas_run} trained on {run['features']}, not on --capture")
+        bad_input(f"--eyas-run {a.eyas_run} trained on {run['features']}, not on --capture: pass its capture")
     bad = {k: (cfg.get(k), v) for k, v in want.items() if cfg.get(k) != v}
     if bad:
-        sys.exit(f"{a.eyas_run} trained with other settings (run, here): {bad}")
+        bad_input(f"--eyas-run {a.eyas_run} trained with other settings (run, here): {bad}; pass the run's own")
     return {"from": str(a.eyas_run), "optimizer": cfg.get("optimizer"), "aux_gain": cfg.get("aux_gain")}
 
 
@@ -272,6 +280,9 @@ def main() -> None:
     p.add_argument("--which", choices=("eyas", "speculators"), help=argparse.SUPPRESS)
     a = p.parse_args()
     a.eyas_epochs = a.eyas_epochs or a.epochs
+    if a.speculators_minutes is not None and a.speculators_minutes <= 0:
+        bad_input(f"--speculators-minutes {a.speculators_minutes}: must be > 0 (omit it for no time cap)")
+    adopted = adopt_eyas_run(a) if a.eyas_run and not a.which else None  # checked before anything is written
     a.out.mkdir(parents=True, exist_ok=True)
     if a.which:
         torch.set_num_threads(a.threads)
@@ -279,8 +290,8 @@ def main() -> None:
         (a.out / f"train_{a.which}.json").write_text(json.dumps(res, indent=1) + "\n")
         return
     argv = [x for x in sys.argv[1:]]
-    if a.eyas_run and not (a.out / "train_eyas.json").exists():
-        (a.out / "train_eyas.json").write_text(json.dumps(adopt_eyas_run(a), indent=1) + "\n")
+    if adopted and not (a.out / "train_eyas.json").exists():
+        (a.out / "train_eyas.json").write_text(json.dumps(adopted, indent=1) + "\n")
     for which in ("eyas", "speculators"):
         if not (a.out / f"train_{which}.json").exists():
             run([sys.executable, __file__, "--which", which, *argv], a.out / f"train_{which}.log")
