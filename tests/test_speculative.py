@@ -524,7 +524,8 @@ def test_first_draft_gap_matches_training_scoring_and_catches_a_serving_bug(tiny
 
 @pytest.mark.slow
 def test_greedy_identity_on_builtin_target(builtin_target):
-    """SmolLM2 fp32 with a random drafter (8k draft vocabulary): chain and tree give HF's greedy tokens."""
+    """SmolLM2 fp32 with a random drafter (8k draft vocabulary) and with always-right and
+    always-wrong stubs: chain and tree give HF's greedy tokens."""
     model, tok = targets.load(builtin_target)
     tcfg = model.config
     torch.manual_seed(0)
@@ -534,7 +535,16 @@ def test_greedy_identity_on_builtin_target(builtin_target):
     text = tok.apply_chat_template([{"role": "user", "content": "List three primes."}], add_generation_prompt=True,
                                    tokenize=False)
     prompt = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
-    ref = _hf_greedy(model, prompt, 10, eos=tok.eos_token_id)
+    ref = _hf_greedy(model, prompt, 24, eos=tok.eos_token_id)
+    for mode in ("right", "wrong"):
+        stub = StubDrafter(prompt.tolist() + ref, tcfg.vocab_size, mode)
+        for method in ("chain", "tree"):
+            s = _settings(method, max_new_tokens=24, eos_ids=(tok.eos_token_id,), tree=(3, 3, 8))
+            with torch.inference_mode():
+                res = runtime.generate(tr, stub, prompt, s)
+            assert res.tokens == ref, (mode, method)
+            assert set(res.accepted) == {0} if mode == "wrong" else max(res.accepted) >= 3, (mode, method)
+    ref = ref[:10]
     packed = copy.deepcopy(model), copy.deepcopy(d)
     if prepack.prepack(packed[0]) and prepack.prepack(packed[1]):  # as `eyas bench` runs it on CPU
         runs = [(tr, dr), runtime.runners(packed[0], _loaded(packed[1]), runtime.Timer("cpu"))]
@@ -620,3 +630,68 @@ def test_grouped_sdpa_is_bit_identical_and_scoped(tiny_target, monkeypatch):
             assert all(torch.equal(a, b) for a, b in zip(outs["hf"], outs["grouped"]))
             tr.grouped = cfg
     assert model.config._attn_implementation == "sdpa"
+
+
+def _nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Naive reference for temperature + top-p: add tokens by falling probability until their
+    mass reaches top_p, zero the rest, renormalise."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    out, mass = torch.zeros_like(p), 0.0
+    for i in p.argsort(descending=True).tolist():
+        out[i], mass = p[i], mass + float(p[i])
+        if mass >= top_p:
+            break
+    return out / out.sum()
+
+
+def _chi2_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    a = 2 / (9 * dof)
+    return dof * (1 - a + z * a ** 0.5) ** 3
+
+
+def _sub_vocab(d: Eagle3Drafter, keep: float) -> Eagle3Drafter:
+    """`d` (full draft vocabulary) restricted to a random `keep` share of the target's ids:
+    the same weights, lm_head rows of the kept ids, d2t offsets that are mostly non-zero."""
+    V = d.cfg.draft_vocab_size
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(7))[:int(V * keep)].sort().values
+    sub = Eagle3Drafter(DrafterConfig.from_dict({**d.cfg.to_dict(), "draft_vocab_size": ids.numel()}))
+    sd = {k: v for k, v in d.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    sub.load_state_dict({**sd, "lm_head.weight": d.lm_head.weight[ids], "d2t": ids - torch.arange(ids.numel()),
+                         "t2d": t2d})
+    sub.embedding_loaded = True
+    return sub.eval()
+
+
+@pytest.mark.parametrize("method,lookup", [("chain", 0), ("tree", 0), ("tree", 3)])
+def test_runtime_sampling_is_lossless(tiny, trained, method, lookup):
+    """Through `runtime.generate` (temperature, top-p, draft ids mapped to target ids, the
+    drafter fed the target's aux states): the first two sampled tokens follow the target's own
+    joint distribution under the same temperature and top-p (chi-square, naive reference)."""
+    model, _ = tiny
+    T, top_p, trials = 1.5, 0.95, 1500  # a flatter target: 14 first tokens, 46 cells of >= 5 expected
+    prompt = _prompt(100)
+    with torch.no_grad():
+        p1 = _nucleus(model(prompt[None]).logits[0, -1], T, top_p)
+        firsts = p1.nonzero()[:, 0]
+        rows = torch.cat([prompt.repeat(len(firsts), 1), firsts[:, None]], 1)
+        p2 = torch.stack([_nucleus(lg, T, top_p) for lg in model(rows).logits[:, -1]])
+    expected = torch.zeros(p1.shape[0], p1.shape[0], dtype=torch.float64)
+    expected[firsts] = p1[firsts, None] * p2 * trials  # p(a) p(b | a)
+    tr, dr = runtime.runners(model, _loaded(_sub_vocab(trained, keep=0.75)), runtime.Timer("cpu"))
+    counts, accepted = torch.zeros_like(expected), 0
+    with torch.inference_mode():
+        for seed in range(trials):
+            s = _settings(method, temperature=T, top_p=top_p, max_new_tokens=2, eos_ids=(), seed=seed, lookup=lookup)
+            res = runtime.generate(tr, dr, prompt, s)
+            counts[res.tokens[0], res.tokens[1]] += 1
+            accepted += res.accepted[0]
+    assert accepted > trials // 10, accepted  # drafts are accepted and rejected: both paths run
+    big = expected >= 5
+    assert counts[expected == 0].sum() == 0  # nothing outside the nucleus
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < _chi2_critical(len(obs) - 1), (chi2, len(obs), accepted)

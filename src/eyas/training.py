@@ -653,13 +653,15 @@ class Trainer:
 
     def _optimizer_state(self) -> dict:
         """The optimizer state to save: as torch keeps it, or under FSDP gathered from the shards into
-        one full state keyed by parameter name (a collective: every rank calls it)."""
+        one full state keyed by parameter name (a collective: every rank calls it). cpu_offload:
+        the full state lands in host memory on rank 0 only, the others get an empty dict (the
+        large drafters FSDP is for would otherwise hold it whole on every GPU)."""
         if not self._sharded:
             return self.opt.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         return get_optimizer_state_dict(self.module, self.opt,
-                                        options=StateDictOptions(full_state_dict=True))
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def _load_state(self, weights: dict, opt_state: dict | None) -> None:
         if not self._sharded:
