@@ -254,3 +254,22 @@ def test_bench_names_a_drafter_of_another_target(eyas_cli, tiny_targets, drafter
     code, _, err = eyas_cli("bench", "--target", tiny_targets["llama"], "--drafter", drafter_dir / "model.safetensors",
                             "--prompts", prompt_file, "--out", tmp_path / "o")
     assert code == 2 and "not a checkpoint directory" in err, err
+
+
+def test_method_stats_and_step_cost_from_known_steps():
+    """Acceptance length = mean of (accepted + 1) over verification steps, pooled over prompts;
+    position i = share of steps that accepted more than i drafts; step cost in plain-step units."""
+    method_stats, step_cost = bench.method_stats, bench.step_cost
+    rs = [{"tokens": list(range(9)), "wall_s": 3.0, "target_s": 2.0, "drafter_s": 0.5, "accepted": [4, 0, 2]},
+          {"tokens": list(range(3)), "wall_s": 1.0, "target_s": 0.5, "drafter_s": 0.25, "accepted": [1]}]
+    st = method_stats(rs)
+    assert st["verify_steps"] == 4 and st["acceptance_length"] == (5 + 1 + 3 + 2) / 4
+    assert st["acceptance_by_position"] == [3 / 4, 2 / 4, 1 / 4, 1 / 4]
+    assert st["tokens_per_s"] == 12 / 4.0
+    assert st["time_split"] == {"target": 2.5 / 4, "drafter": 0.75 / 4, "overhead": 0.75 / 4}
+    plain = method_stats([{"tokens": list(range(10)), "wall_s": 2.0, "target_s": 2.0, "drafter_s": 0.0,
+                           "accepted": []}])
+    assert "acceptance_length" not in plain
+    step_cost(st, plain)  # one step: 4.0 s / 4 steps = 1.0 s; one plain token: 0.2 s
+    assert st["step_cost"]["total"] == pytest.approx(5.0)
+    assert st["step_cost"]["target"] == pytest.approx(5.0 * 2.5 / 4)

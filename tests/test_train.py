@@ -103,6 +103,7 @@ def test_resume_is_bit_identical(pipe, tmp_path, eyas_cli, monkeypatch, stored_a
             "--epochs", "3", "--max-steps", "9", "--eval-every", "2", "--batch-tokens", "300", "--max-len", "96",
             "--dtype", "fp32", "--keep-last", "3")
     assert eyas_cli("train", "--out", tmp_path / "a", *args)[0] == 0
+    assert sorted(training.checkpoint_steps(tmp_path / "a")) == [6, 8, 9]  # --keep-last 3 pruned steps 2 and 4
 
     def kill(step):
         if step == 7:
@@ -493,6 +494,8 @@ def test_wrong_capture_for_target_exit_2(pipe, tiny_targets, tmp_path, eyas_cli)
     code, out, err = eyas_cli("train", "--target", other, "--capture", pipe["cap"], "--vocab", pipe["vocab"],
                               "--out", tmp_path / "r")
     assert code == 2 and "manifest.json" in err and str(other) in err
+    assert "capture features from this target or pass the matching --target" in err  # the fix
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
 
 
 def test_incompatible_init_checkpoint_exit_2(pipe, tmp_path, eyas_cli):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -398,7 +399,7 @@ def bench_loop(methods, model, runners: dict, prompts, s, device, repeats: int =
     for m in methods:  # warm-up: first-call costs (allocations, kernels) stay out of the numbers
         run_one(m, model, *runners[m], prompts[0]["ids"], warm, device)
     results: dict[str, list[dict]] = {m: [] for m in methods}
-    bar = tqdm(prompts, desc="bench", unit="prompt")
+    bar = tqdm(prompts, desc="bench", unit="prompt", disable=os.environ.get("EYAS_NO_PROGRESS") == "1")
     for p in bar:
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for r in range(repeats):
