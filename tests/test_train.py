@@ -577,3 +577,38 @@ def test_resume_names_a_damaged_checkpoint_and_the_way_back(pipe, tmp_path, eyas
     shutil.copytree(pipe["cap"], tmp_path / "moved")
     code, _, err = eyas_cli(*base[:i + 1], tmp_path / "moved", *base[i + 2:], "--vocab", pipe["vocab"], "--resume")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("layout", ["sglang", "speculators"])
+def test_init_from_a_peer_layout_with_another_vocabulary(pipe, tmp_path, eyas_cli, layout):
+    """--init-from a checkpoint in a peer's layout (SGLang `midlayer.*`, speculators `layers.0.*`)
+    whose draft vocabulary differs from --vocab by one id (every head row one position off):
+    refused without --remap (exit 2, nothing written), and with it the rows follow their tokens,
+    so step-0 accuracy is the checkpoint's own. (An EAGLE-3 map is sorted by target id, so the
+    same token set in another order cannot occur; a shifted set is the nearest real case.)"""
+    from eyas.core import vocab as cv
+    from eyas.formats.vocab import VocabMap, load_vocab, save_vocab
+
+    a = tmp_path / "a"
+    assert eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                    "--out", a, "--ttt", "1", "--max-steps", "4", "--lr", "1e-2", *COMMON)[0] == 0
+    ck = tmp_path / layout
+    code, _, err = eyas_cli("export", a, "--to", layout, "--out", ck, "--target", pipe["target"])
+    assert code == 0, err
+    vm = load_vocab(pipe["vocab"])
+    ids = vm.target_ids[1:]
+    b = tmp_path / "b.safetensors"
+    save_vocab(b, VocabMap(cv.d2t_from_ids(ids), cv.t2d_from_ids(ids, vm.target_size)))
+    base = ("--target", pipe["target"], "--capture", pipe["cap"], "--init-from", ck, "--max-steps", "0",
+            "--ttt", "1", "--json", *COMMON)
+    code, out, err = eyas_cli("train", "--vocab", b, "--out", tmp_path / "refused", *base)
+    assert code == 2 and "vocabulary mismatch" in err and "--remap" in err, err
+    assert not (tmp_path / "refused").exists()
+    code, out, err = eyas_cli("train", "--vocab", pipe["vocab"], "--out", tmp_path / "orig", *base)
+    assert code == 0, err
+    code, out2, err = eyas_cli("train", "--vocab", b, "--remap", "--out", tmp_path / "remapped", *base)
+    assert code == 0, err
+    orig, remapped = json.loads(out), json.loads(out2)
+    assert remapped["acc_0"] == pytest.approx(orig["acc_0"]) and orig["acc_0"] > 0.05, (orig, remapped)
+    w = _weights(tmp_path / "remapped" / "final")["lm_head.weight"]
+    torch.testing.assert_close(w, _weights(tmp_path / "orig" / "final")["lm_head.weight"][1:])
