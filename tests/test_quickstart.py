@@ -1,5 +1,6 @@
-"""`eyas quickstart`: content-hashed stage reuse (with a recording stub runner) and the CLI
-surface. The full pipeline is exercised by `make demo`, not here."""
+"""`eyas quickstart`: content-hashed stage reuse (with a recording stub runner), the CLI
+surface, and the whole pipeline through the real CLI on a tiny target (`make demo` runs it on
+the built-in target)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ class Recorder:
         self.calls.append(argv)
         if argv[0] == self.fail:
             return 2
+        out = argv[argv.index("--out") + 1]
+        pathlib.Path(out).mkdir(parents=True, exist_ok=True)  # as every stage does
         if argv[0] == "bench":
-            out = argv[argv.index("--out") + 1]
-            pathlib.Path(out).mkdir(parents=True, exist_ok=True)
             summary = {"methods": {"plain": {"tokens_per_s": 10.0, "speedup": 1.0},
                                    "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0,
                                              "step_cost": {"total": 1.55, "target": 1.4, "drafter": 0.15},
@@ -237,3 +238,25 @@ def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatc
         assert bench_argv[0] == "bench" and bench_argv[bench_argv.index("--draft-cutoff") + 1] == cutoff
         assert ("about 3 min left" if fast == "fp32" else "about 36 min left") in caplog.text
     assert qs.PLANS["small"].fp32_cpu is qs.FP32_CPU_SMALL
+
+
+def test_whole_pipeline_on_a_tiny_target_then_reused(tiny_target, tmp_path):
+    """Every stage through the real CLI on a tiny target (regenerated data, vocab, capture, one
+    training step, the bench); a rerun reuses all of them; a stage directory deleted by hand is
+    built again (with the stages after it reused: their inputs did not change)."""
+    plan = qs.Plan(**{**PLAN.__dict__, "max_len": 512})  # the built-in prompts are long in the tiny tokenizer
+    first = qs.run_pipeline(str(tiny_target), tmp_path, plan, quiet=True)
+    assert [r["status"] for r in first["stages"]] == ["ok", "ran", "ran", "ran", "ran", "ran"]
+    dirs = {r["stage"]: pathlib.Path(r["dir"]) for r in first["stages"][1:]}
+    assert (dirs["train"] / "final" / "model.safetensors").is_file()
+    report = json.loads((dirs["bench"] / "report.json").read_text())
+    assert {"plain", "chain", "tree"} <= set(report["summary"]["methods"])
+    assert first["bench"] is not None and pathlib.Path(first["report"]).is_file()
+    again = qs.run_pipeline(str(tiny_target), tmp_path, plan, quiet=True)
+    assert [r["status"] for r in again["stages"][1:]] == ["reused"] * 5
+    import shutil
+
+    shutil.rmtree(dirs["vocab"])
+    third = qs.run_pipeline(str(tiny_target), tmp_path, plan, quiet=True)
+    assert [r["status"] for r in third["stages"][1:]] == ["reused", "ran", "reused", "reused", "reused"]
+    assert (dirs["vocab"] / "vocab.safetensors").is_file()

@@ -343,7 +343,7 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         values[stage] = str(sdir)
         eta = sum(remaining)
         remaining.pop(0)
-        if marker.is_file():
+        if marker.is_file() and sdir.is_dir():  # a stage directory deleted by hand is built again
             rows.append({"stage": stage, "status": "reused", "seconds": 0.0, "dir": str(sdir)})
             log.info("[%d/%d] %s: reused %s", i, len(STAGES), stage, sdir)
             continue
