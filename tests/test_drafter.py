@@ -162,3 +162,28 @@ def test_rope_matches_the_targets_own(rope):
     d = Eagle3Drafter(DrafterConfig.from_target(tcfg, 10, [1, 2, 3]))
     torch.testing.assert_close(d.inv_freq, ref.inv_freq)
     assert d.attention_scaling == pytest.approx(ref.attention_scaling)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma", "qwen3"])
+def test_drafter_trains_and_serves_on_each_family(kind, tiny_targets, other_target):
+    """The drafter sized from each family's config (Qwen2 biases, Mistral, Gemma's head_dim and
+    activation, Qwen3's q/k norms in the target) trains with the TTT loss on the target's own
+    greedy text and is then accepted when served, with output identical to plain decoding."""
+    from test_doctor import train_tiny_drafter
+
+    from eyas import runtime
+
+    tdir = tiny_targets[kind] if kind in tiny_targets else other_target(kind)
+    d, ids = train_tiny_drafter(tdir, steps=60)
+    model, _ = targets.load(tdir)
+    loaded = runtime.LoadedDrafter(d.eval(), list(d.cfg.aux_layer_ids), True, "strict",
+                                   torch.arange(d.cfg.draft_vocab_size) + d.d2t, "eyas", [])
+    tr, dr = runtime.runners(model, loaded, runtime.Timer("cpu"))
+    accepted, steps = 0, 0
+    for row in ids[:4]:
+        s = runtime.DecodeSettings(method="chain", k=3, max_new_tokens=20)
+        res = runtime.generate(tr, dr, row[:5], s)
+        plain = runtime.generate(tr, None, row[:5], runtime.DecodeSettings(method="plain", max_new_tokens=20))
+        assert res.tokens == plain.tokens, kind
+        accepted, steps = accepted + sum(res.accepted), steps + res.steps
+    assert accepted / steps > 0.5, (kind, accepted, steps)
