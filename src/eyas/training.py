@@ -422,8 +422,6 @@ class Trainer:
 
     def _wrap(self, module: nn.Module) -> nn.Module:
         if self.dist.world <= 1:
-            if self.cfg.fsdp:
-                log.warning("--fsdp: one process, nothing to shard; launch with torchrun --nproc-per-node N")
             return module
         if self.cfg.fsdp:
             from torch.distributed.fsdp import fully_shard

@@ -411,6 +411,8 @@ def run_train(args) -> int:
     trainer = training.Trainer(cfg, drafter, source, training.Target(head, meta["target_fingerprint"], scale, softcap),
                                args.out, meta, dist_)
     start = trainer.resume() if args.resume else 0
+    if args.fsdp and dist_.world <= 1:  # after every check: bad input still gets its one line
+        log.warning("--fsdp: one process, nothing to shard; launch with torchrun --nproc-per-node N")
     if dist_.main:
         if args.resume:
             _trim_metrics(args.out, start)
