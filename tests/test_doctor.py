@@ -165,6 +165,26 @@ def test_d2t_missing_and_zero(healthy, eyas_cli):
     assert "EYAS-D2T-ZERO" in ids_of(rep)
 
 
+def test_d2t_in_another_order_is_served_as_is(healthy, eyas_cli, tiny_target):
+    """Engines only add the offsets: a map listing its ids in another order, with the head rows in
+    that order, drafts the same tokens. Doctor says so (info, exit 0) and measures the same acceptance."""
+    def shuffle(sd):
+        n = sd["d2t"].numel()
+        p = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+        sd["d2t"] = (torch.arange(n) + sd["d2t"])[p] - torch.arange(n)
+        sd["lm_head.weight"] = sd["lm_head.weight"][p]
+    args = ("--target", tiny_target, "--prompts", healthy["prompts"], "--engine", "sglang", "--num-prompts", 4,
+            "--new-tokens", 16, "--steps", 3)
+    code, rep = doctor(eyas_cli, variant(healthy, "sglang", "unsorted", tensors=shuffle), *args)
+    assert code == 0 and "EYAS-D2T-UNSORTED" in ids_of(rep, "info"), [f for f in rep["findings"]
+                                                                      if f["severity"] != "info"]
+    _, base = doctor(eyas_cli, healthy["sglang"], *args)
+    got, want = (r["measurements"]["dynamic"]["paths"] for r in (rep, base))
+    assert want["sglang"]["accept_len"] > 1.2
+    assert got["sglang"]["accept_len"] == pytest.approx(want["sglang"]["accept_len"])
+    assert got["eyas reference"]["accept_len"] == pytest.approx(want["eyas reference"]["accept_len"])
+
+
 def test_t2d_inconsistent(healthy, eyas_cli):
     def flip(sd):
         t = sd["t2d"].clone()

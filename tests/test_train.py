@@ -584,8 +584,8 @@ def test_init_from_a_peer_layout_with_another_vocabulary(pipe, tmp_path, eyas_cl
     """--init-from a checkpoint in a peer's layout (SGLang `midlayer.*`, speculators `layers.0.*`)
     whose draft vocabulary differs from --vocab by one id (every head row one position off):
     refused without --remap (exit 2, nothing written), and with it the rows follow their tokens,
-    so step-0 accuracy is the checkpoint's own. (An EAGLE-3 map is sorted by target id, so the
-    same token set in another order cannot occur; a shifted set is the nearest real case.)"""
+    so step-0 accuracy is the checkpoint's own. (The same token set in another order: the test
+    after the next.)"""
     from eyas.core import vocab as cv
     from eyas.formats.vocab import VocabMap, load_vocab, save_vocab
 
@@ -612,3 +612,51 @@ def test_init_from_a_peer_layout_with_another_vocabulary(pipe, tmp_path, eyas_cl
     assert remapped["acc_0"] == pytest.approx(orig["acc_0"]) and orig["acc_0"] > 0.05, (orig, remapped)
     w = _weights(tmp_path / "remapped" / "final")["lm_head.weight"]
     torch.testing.assert_close(w, _weights(tmp_path / "orig" / "final")["lm_head.weight"][1:])
+
+
+def test_init_from_a_map_held_in_another_order(pipe, tmp_path, eyas_cli):
+    """The issue's permutation case. Engines only add d2t's offsets, so an SGLang checkpoint may list
+    its draft vocabulary in any order (say by frequency) and serve correctly. eyas keeps ids ascending:
+    it sorts such a map on import and moves the lm_head rows with it, so --init-from with the data's
+    own vocabulary starts from the checkpoint's step-0 accuracy. The control (rows shuffled, map left
+    sorted: the silent mismatch) shows the permutation matters."""
+    from safetensors.torch import load_file, save_file
+
+    a = tmp_path / "a"
+    assert eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],
+                    "--out", a, "--ttt", "1", "--max-steps", "4", "--lr", "1e-2", *COMMON)[0] == 0
+    ck = tmp_path / "sglang"
+    assert eyas_cli("export", a, "--to", "sglang", "--out", ck, "--target", pipe["target"])[0] == 0
+    state = load_file(ck / "model.safetensors")
+    N = state["d2t"].numel()
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(0))
+    ids = torch.arange(N) + state["d2t"]
+
+    def variant(name, d2t, head):
+        shutil.copytree(ck, tmp_path / name)
+        save_file({**state, "d2t": d2t.contiguous(), "lm_head.weight": head.contiguous()},
+                  tmp_path / name / "model.safetensors")
+        return tmp_path / name
+    permuted = variant("permuted", ids[perm] - torch.arange(N), state["lm_head.weight"][perm])
+    shuffled = variant("shuffled", state["d2t"], state["lm_head.weight"][perm])
+
+    from eyas.formats.engines import engine_reading
+    notes = engine_reading(permuted, "sglang").notes
+    assert any("out of ascending order" in n for n in notes), notes
+    code, out, err = eyas_cli("convert", permuted, "--to", "eyas", "--out", tmp_path / "conv", "--json")
+    assert code == 0, err
+    assert any("sorted them" in n for n in json.loads(out)["notes"]), out
+    torch.testing.assert_close(_weights(tmp_path / "conv")["lm_head.weight"], _weights(a / "final")["lm_head.weight"])
+    assert torch.equal(_weights(tmp_path / "conv")["d2t"], _weights(a / "final")["d2t"])
+
+    base = ("--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"], "--max-steps", "0",
+            "--ttt", "1", "--json", *COMMON)
+    acc = {}
+    for name, src in (("orig", ck), ("permuted", permuted), ("shuffled", shuffled)):
+        code, out, err = eyas_cli("train", "--init-from", src, "--out", tmp_path / f"run_{name}", *base)
+        assert code == 0, err
+        acc[name] = json.loads(out)["acc_0"]
+    assert acc["permuted"] == pytest.approx(acc["orig"]) and acc["orig"] > 0.05, acc
+    assert acc["shuffled"] < 0.5 * acc["orig"], acc
+    torch.testing.assert_close(_weights(tmp_path / "run_permuted" / "final")["lm_head.weight"],
+                               _weights(tmp_path / "run_orig" / "final")["lm_head.weight"])

@@ -76,6 +76,22 @@ def test_check_maps_rejects(case, needle):
         core.check_maps(d2t, t2d, size)
 
 
+def test_ascending_order_only_for_a_map_in_another_order():
+    ids = torch.tensor([2, 5, 7, 9])
+    order = torch.tensor([2, 0, 3, 1])
+    shuffled = ids[order]  # held as 7, 2, 9, 5
+    p = core.ascending_order(shuffled - torch.arange(4), 12)
+    assert torch.equal(shuffled[p], ids)
+    W = torch.randn(4, 3)  # row j belongs to target id shuffled[j]: after sorting, to ids[j]
+    torch.testing.assert_close(W[p], W[torch.argsort(shuffled)])
+    assert core.ascending_order(core.d2t_from_ids(ids), 12) is None  # sorted already
+    assert core.ascending_order(ids.clone(), 12) is None  # absolute ids: check_maps names that fault
+    assert core.ascending_order(torch.tensor([2, 4, 3, 6]), 12) is None  # a duplicate target
+    assert core.ascending_order(torch.tensor([9, 4, 5, 6]), 12) is None  # targets 9, 5, 7, 9
+    assert core.ascending_order(torch.tensor([20, 0, 1, 2]), 12) is None  # target 20 outside 0..11
+    core.check_maps(core.d2t_from_ids(shuffled[p]), core.t2d_from_ids(ids, 12))
+
+
 def test_compare_known_answers_and_permutation():
     a = torch.tensor([1, 2, 3, 4])
     r = core.compare_maps(a, torch.tensor([1, 2, 5, 6]))

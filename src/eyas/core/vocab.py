@@ -112,6 +112,32 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = N
                             "and nonzero(t2d) != arange(N) + d2t; rebuild t2d from d2t")
 
 
+def ascending_order(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+    """The permutation `p` that sorts a map held in another order, or None.
+
+    Engines only add the offsets (`target = i + d2t[i]`), so a d2t whose target ids are
+    distinct and within 0..V-1 but not ascending serves exactly as well as the sorted one;
+    eyas keeps DESIGN 4's ascending order, and `lm_head[p]` with `d2t_from_ids(ids[p])`
+    drafts the same target tokens. None when the map is ascending already, or is not a
+    permutation of distinct in-range ids (`check_maps` then names the fault).
+    """
+    tgt = target_ids(d2t)
+    if _strictly_increasing(tgt) or not bool(((tgt >= 0) & (tgt < vocab_size)).all()):
+        return None
+    if torch.unique(tgt).numel() != tgt.numel():
+        return None
+    return torch.argsort(tgt)
+
+
+def sort_map(d2t: torch.Tensor, vocab_size: int, rows: torch.Tensor | None = None):
+    """(d2t, rows, moved): a map held in another order sorted ascending, with the lm_head rows
+    moved along (see `ascending_order`); unchanged, and moved False, otherwise."""
+    order = ascending_order(d2t.long(), vocab_size)
+    if order is None:
+        return d2t, rows, False
+    return d2t_from_ids(target_ids(d2t)[order]), None if rows is None else rows[order], True
+
+
 def coverage(ids: torch.Tensor, counts: torch.Tensor) -> float:
     """Share of counted (supervised) tokens whose id is in `ids`."""
     total = int(counts.sum())

@@ -26,6 +26,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "EYAS-D2T-MISSING": (ERROR, "no d2t: the draft vocabulary is read as the first N target ids"),
     "EYAS-D2T-ABSOLUTE": (ERROR, "d2t holds absolute target ids instead of offsets"),
     "EYAS-D2T-INVALID": (ERROR, "d2t maps draft ids to invalid or repeated target ids"),
+    "EYAS-D2T-UNSORTED": (INFO, "d2t lists its target ids out of ascending order (served as is; eyas sorts it)"),
     "EYAS-D2T-ZERO": (WARNING, "d2t is all zeros: the draft vocabulary is the first N target ids"),
     "EYAS-T2D-MISMATCH": (ERROR, "t2d is inconsistent with d2t"),
     "EYAS-NONFINITE": (ERROR, "NaN or Inf in weights"),

@@ -169,7 +169,8 @@ def check_vocab_maps(raw: RawCheckpoint) -> list[Finding]:
     tgt = torch.arange(n) + d  # (N,) target id per draft id under the offset rule
     held = torch.nonzero(t2d).flatten() if t2d is not None and t2d.dtype == torch.bool else None
     in_range = bool(((tgt >= 0) & (tgt < V)).all()) if V else bool((tgt >= 0).all())
-    valid = in_range and _strict_inc(tgt)
+    ascending = _strict_inc(tgt)
+    valid = in_range and (ascending or torch.unique(tgt).numel() == n)  # engines only add the offsets
     d_abs_ok = _strict_inc(d) and bool((d >= 0).all()) and (V is None or bool((d < V).all()))
     ev = {"d2t_head": d[:6].tolist(), "min": int(d.min()), "max": int(d.max()), "N": n, "V": V}
     if d_abs_ok and n > 1 and (not valid or (held is not None and torch.equal(held, d) and not torch.equal(held, tgt))):
@@ -186,11 +187,17 @@ def check_vocab_maps(raw: RawCheckpoint) -> list[Finding]:
         out = []
     if not valid:
         dup = int(n - torch.unique(tgt).numel())
-        return [make("EYAS-D2T-INVALID", f"d2t maps draft ids to {'out-of-range' if not in_range else 'repeated or unsorted'} "
+        return [make("EYAS-D2T-INVALID", f"d2t maps draft ids to {'out-of-range' if not in_range else 'repeated'} "
                      "target ids", evidence={**ev, "duplicates": dup, "min_target": int(tgt.min()),
                                              "max_target": int(tgt.max())},
-                     cause="offsets plus positions must give strictly increasing ids inside the target vocabulary.",
+                     cause="offsets plus positions must give distinct ids inside the target vocabulary.",
                      fix=fix_vocab)]
+    if not ascending:
+        out.append(make("EYAS-D2T-UNSORTED", f"d2t lists its {n} target ids out of ascending order",
+                        evidence=ev, cause="engines only add the offsets, so the order does not change what is "
+                        "drafted; eyas keeps ids ascending and sorts the map, with the lm_head rows, on import.",
+                        fix=f"none needed to serve; eyas convert {raw.path} --to sglang --out OUT writes it sorted"))
+        tgt = torch.sort(tgt).values
     if bool((d == 0).all()) and V is not None and n < V:
         out.append(make("EYAS-D2T-ZERO", f"d2t is all zeros: the draft vocabulary is target ids 0..{n - 1}",
                         evidence=ev, cause="a zero d2t means 'the first N ids', usually a missing or unfilled map "

@@ -69,13 +69,14 @@ def run_convert(args) -> int:
 
 
 def _write(args, src: Path, layout: str, fmt: str, picked: str) -> int:
-    cfg, state, meta = engines.import_checkpoint(src, layout, target=args.target)
-    meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": meta.get("aux_layer_ids_source"),
-            **({"trained": meta["eyas"]} if "eyas" in meta else {}), "provenance": provenance(args)}
+    cfg, state, imported = engines.import_checkpoint(src, layout, target=args.target)
+    meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": imported.get("aux_layer_ids_source"),
+            **({"trained": imported["eyas"]} if "eyas" in imported else {}), "provenance": provenance(args)}
     out = Path(args.out)
     refuse_out_over_inputs(out, {"source": src, "--target": targets.local_dir(args.target)})
     with atomic_dir(out, force=args.force) as tmp:
         notes = engines.write_layout(cfg, state, fmt, tmp, target=args.target, meta=meta)
+        notes += [imported["note"]] if imported.get("note") else []
         problems = engines.static_check(tmp, fmt, expected=cfg, target=args.target)
         other = targets.trained_for_other(src, engines.target_dir(args.target)) if args.target else None
         problems += [f"{other}: pass the drafter's own --target"] if other else []

@@ -299,6 +299,9 @@ def init_drafter(args, tcfg, vm, aux: list[int], embed: torch.Tensor, head: torc
     old_ids = core_vocab.target_ids(state["d2t"])
     new_ids = old_ids if vm is None else vm.target_ids
     info = {"init_from": str(args.init_from), "vocab": "checkpoint" if vm is None else "same"}
+    if meta.get("note"):  # the import sorted a map held in another order
+        log.info("--init-from %s: %s", args.init_from, meta["note"])
+        info["init_note"] = meta["note"]
     if vm is not None and not torch.equal(old_ids, new_ids):
         rep = core_vocab.compare_maps(old_ids, new_ids)
         if not args.remap:
