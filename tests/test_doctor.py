@@ -151,6 +151,12 @@ def test_d2t_absolute(healthy, eyas_cli):
     code, rep = doctor(eyas_cli, variant(healthy, "sglang", "abs", tensors=absolute))
     assert code == 1 and "EYAS-D2T-ABSOLUTE" in ids_of(rep, "error")
 
+    def absolute_shuffled(sd):  # absolute ids in another order: t2d marks d2t's own values
+        absolute(sd)
+        sd["d2t"] = sd["d2t"][torch.randperm(sd["d2t"].numel(), generator=torch.Generator().manual_seed(2))]
+    code, rep = doctor(eyas_cli, variant(healthy, "sglang", "abs_shuffled", tensors=absolute_shuffled))
+    assert code == 1 and "EYAS-D2T-ABSOLUTE" in ids_of(rep, "error") and "EYAS-D2T-UNSORTED" not in ids_of(rep)
+
 
 def test_d2t_missing_and_zero(healthy, eyas_cli):
     def drop(sd):

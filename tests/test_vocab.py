@@ -78,18 +78,28 @@ def test_check_maps_rejects(case, needle):
 
 def test_ascending_order_only_for_a_map_in_another_order():
     ids = torch.tensor([2, 5, 7, 9])
+    t2d = core.t2d_from_ids(ids, 12)
     order = torch.tensor([2, 0, 3, 1])
     shuffled = ids[order]  # held as 7, 2, 9, 5
-    p = core.ascending_order(shuffled - torch.arange(4), 12)
+    p = core.ascending_order(shuffled - torch.arange(4), t2d)
     assert torch.equal(shuffled[p], ids)
     W = torch.randn(4, 3)  # row j belongs to target id shuffled[j]: after sorting, to ids[j]
-    torch.testing.assert_close(W[p], W[torch.argsort(shuffled)])
-    assert core.ascending_order(core.d2t_from_ids(ids), 12) is None  # sorted already
-    assert core.ascending_order(ids.clone(), 12) is None  # absolute ids: check_maps names that fault
-    assert core.ascending_order(torch.tensor([2, 4, 3, 6]), 12) is None  # a duplicate target
-    assert core.ascending_order(torch.tensor([9, 4, 5, 6]), 12) is None  # targets 9, 5, 7, 9
-    assert core.ascending_order(torch.tensor([20, 0, 1, 2]), 12) is None  # target 20 outside 0..11
-    core.check_maps(core.d2t_from_ids(shuffled[p]), core.t2d_from_ids(ids, 12))
+    d2t, rows, moved = core.sort_map(shuffled - torch.arange(4), t2d, W)
+    assert moved and torch.equal(d2t, core.d2t_from_ids(ids)) and torch.equal(rows, W[torch.argsort(shuffled)])
+    core.check_maps(d2t, t2d)
+    assert core.ascending_order(core.d2t_from_ids(ids), t2d) is None  # sorted already
+    assert core.ascending_order(ids.clone(), t2d) is None  # absolute ids: check_maps names that fault
+    assert core.ascending_order(torch.tensor([2, 4, 3, 6]), t2d) is None  # a duplicate target
+    assert core.ascending_order(torch.tensor([9, 4, 5, 6]), t2d) is None  # targets 9, 5, 7, 9
+    assert core.ascending_order(torch.tensor([20, 0, 1, 2]), t2d) is None  # target 20 outside 0..11
+    assert core.ascending_order(torch.tensor([7.0, -2.0, 7.0, 2.0]), t2d) is None  # float offsets
+    # absolute ids in another order: their targets 7, 3, 11, 8 are distinct and in range, but t2d marks
+    # d2t's own values, so the map is not sorted and check_maps says what it is
+    absolute = torch.tensor([7, 2, 9, 5])
+    big = core.t2d_from_ids(ids, 20)
+    assert core.ascending_order(absolute, big) is None
+    with pytest.raises(EyasError, match="absolute"):
+        core.check_maps(absolute, big)
 
 
 def test_compare_known_answers_and_permutation():

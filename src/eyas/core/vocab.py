@@ -92,7 +92,7 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = N
     in_range = bool(((tgt >= 0) & (tgt < V)).all())
     d = d2t.long()
     looks_absolute = _strictly_increasing(d) and bool(((d >= 0) & (d < V)).all())
-    if (not in_range or not _strictly_increasing(tgt)) and looks_absolute:
+    if (not in_range or not _strictly_increasing(tgt)) and (looks_absolute or marks_own_values(t2d, d, tgt)):
         raise VocabMapError("d2t holds absolute target ids, not offsets (target_id = i + d2t[i]); "
                             "fix: store d2t = ids - arange(N)")
     if not in_range:
@@ -104,7 +104,7 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = N
     if t2d.dtype != torch.bool:
         raise VocabMapError(f"t2d has dtype {t2d.dtype}; it must be bool [V]")
     held = torch.nonzero(t2d).flatten()
-    if held.numel() == N and torch.equal(held, d) and not torch.equal(held, tgt):
+    if held.numel() == N and torch.equal(held, torch.sort(d).values) and not torch.equal(held, tgt):
         raise VocabMapError("d2t holds absolute target ids, not offsets (target_id = i + d2t[i]); "
                             "fix: store d2t = ids - arange(N)")
     if held.numel() != N or not torch.equal(held, tgt):
@@ -112,27 +112,39 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = N
                             "and nonzero(t2d) != arange(N) + d2t; rebuild t2d from d2t")
 
 
-def ascending_order(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+def marks_own_values(t2d: torch.Tensor, d: torch.Tensor, tgt: torch.Tensor) -> bool:
+    """t2d marks exactly d2t's own values, not `arange(N) + d2t`: absolute ids stored in d2t."""
+    if t2d.dtype != torch.bool or d.numel() < 2:
+        return False
+    held = torch.nonzero(t2d).flatten()
+    return (held.numel() == d.numel() and torch.equal(held, torch.sort(d.long()).values)
+            and not torch.equal(held, torch.sort(tgt).values))
+
+
+def ascending_order(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor | None:
     """The permutation `p` that sorts a map held in another order, or None.
 
     Engines only add the offsets (`target = i + d2t[i]`), so a d2t whose target ids are
     distinct and within 0..V-1 but not ascending serves exactly as well as the sorted one;
     eyas keeps DESIGN 4's ascending order, and `lm_head[p]` with `d2t_from_ids(ids[p])`
-    drafts the same target tokens. None when the map is ascending already, or is not a
-    permutation of distinct in-range ids (`check_maps` then names the fault).
+    drafts the same target tokens. None when the map is ascending already, is not integer,
+    is not a permutation of distinct in-range ids, or `t2d` marks d2t's own values (absolute
+    ids in another order): `check_maps` then names the fault.
     """
-    tgt = target_ids(d2t)
-    if _strictly_increasing(tgt) or not bool(((tgt >= 0) & (tgt < vocab_size)).all()):
+    if d2t.dim() != 1 or t2d.dim() != 1 or d2t.dtype.is_floating_point:
         return None
-    if torch.unique(tgt).numel() != tgt.numel():
+    tgt = target_ids(d2t)
+    if _strictly_increasing(tgt) or not bool(((tgt >= 0) & (tgt < t2d.numel())).all()):
+        return None
+    if torch.unique(tgt).numel() != tgt.numel() or marks_own_values(t2d, d2t, tgt):
         return None
     return torch.argsort(tgt)
 
 
-def sort_map(d2t: torch.Tensor, vocab_size: int, rows: torch.Tensor | None = None):
+def sort_map(d2t: torch.Tensor, t2d: torch.Tensor, rows: torch.Tensor | None = None):
     """(d2t, rows, moved): a map held in another order sorted ascending, with the lm_head rows
     moved along (see `ascending_order`); unchanged, and moved False, otherwise."""
-    order = ascending_order(d2t.long(), vocab_size)
+    order = ascending_order(d2t, t2d)
     if order is None:
         return d2t, rows, False
     return d2t_from_ids(target_ids(d2t)[order]), None if rows is None else rows[order], True

@@ -21,7 +21,11 @@ def checkpoint_ids(raw: RawCheckpoint) -> torch.Tensor | None:
         return None
     n = int(t["lm_head.weight"].shape[0])
     d2t = t.get("d2t")
-    return torch.arange(n) + (d2t.long() if d2t is not None and d2t.numel() == n else 0)
+    ids = torch.arange(n) + (d2t.long() if d2t is not None and d2t.numel() == n else 0)
+    t2d = t.get("t2d")
+    if d2t is not None and t2d is not None and core_vocab.ascending_order(d2t, t2d) is not None:
+        return torch.sort(ids).values  # another order: eyas reads it sorted, the rows moved along
+    return ids
 
 
 def _mismatch(raw: RawCheckpoint, cmp: dict, other: str, remap_to: str, extra: dict) -> Finding | None:

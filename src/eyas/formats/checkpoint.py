@@ -223,6 +223,8 @@ def load_checkpoint(ckpt: Path, target_embedding: torch.Tensor | None = None) ->
         if tuple(v.shape) != tuple(state[k].shape):
             raise EyasError(f"{ckpt}/model.safetensors: {k} has shape {tuple(state[k].shape)}, config.json "
                             f"implies {tuple(v.shape)}; re-export the checkpoint")
+    state["d2t"], state["lm_head.weight"], _ = core_vocab.sort_map(state["d2t"], state["t2d"],
+                                                                    state["lm_head.weight"])  # another order
     try:  # DESIGN 4: a wrong map raises no error downstream, it only drafts wrong tokens
         core_vocab.check_maps(state["d2t"], state["t2d"], cfg.vocab_size)
     except core_vocab.VocabMapError as e:

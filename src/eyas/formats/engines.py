@@ -374,11 +374,11 @@ def _map_keys(r: EngineReading, table: EngineTable, file_state: dict, shapes: di
         r.missing.append("t2d")
     if "d2t" in r.state and "t2d" in file_state:
         try:
-            if core_vocab.ascending_order(r.state["d2t"].long(), file_state["t2d"].numel()) is not None:
+            d2t, _, moved = core_vocab.sort_map(r.state["d2t"], file_state["t2d"])
+            if moved:
                 r.notes.append(f"d2t lists its target ids out of ascending order: {table.name} serves that as is "
                                "(it only adds the offsets); `eyas convert` sorts it and moves the lm_head rows")
-            else:
-                core_vocab.check_maps(r.state["d2t"], file_state["t2d"])
+            core_vocab.check_maps(d2t, file_state["t2d"])
         except EyasError as e:
             r.notes.append(f"vocab maps inconsistent ({e}); if d2t holds absolute ids every draft token maps to "
                            "the wrong target token: rebuild d2t as offsets (target = i + d2t[i])")
@@ -492,7 +492,7 @@ def import_checkpoint(ckpt_dir: Path, layout: str | None = None,
         if tuple(state[k].shape) != want:
             raise EyasError(f"{wfile}: {k} has shape {tuple(state[k].shape)} but config.json implies {want} "
                             f"({_shape_hint(k, cfg)}); fix config.json or the weights so they agree")
-    state["d2t"], state["lm_head.weight"], moved = core_vocab.sort_map(state["d2t"], cfg.vocab_size,
+    state["d2t"], state["lm_head.weight"], moved = core_vocab.sort_map(state["d2t"], state["t2d"],
                                                                         state["lm_head.weight"])
     try:
         core_vocab.check_maps(state["d2t"].long(), state["t2d"].bool())

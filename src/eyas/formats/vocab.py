@@ -136,10 +136,9 @@ def read_checkpoint_vocab(ckpt: Path, need_head: bool = True) -> dict[str, torch
     if "lm_head.weight" in got and got["lm_head.weight"].shape[0] != got["d2t"].numel():
         raise EyasError(f"checkpoint {f}: lm_head has {got['lm_head.weight'].shape[0]} rows but d2t maps "
                         f"{got['d2t'].numel()} draft ids; the checkpoint is inconsistent")
-    if got["d2t"].dim() == 1 and got["t2d"].dim() == 1 and not got["d2t"].dtype.is_floating_point:
-        # ids listed in another order (engines serve that as is): ascending, the head rows moved along
-        got["d2t"], head, _ = core.sort_map(got["d2t"], got["t2d"].numel(), got.get("lm_head.weight"))
-        got.update({"lm_head.weight": head} if head is not None else {})
+    # ids listed in another order (engines serve that as is): ascending, the head rows moved along
+    got["d2t"], head, _ = core.sort_map(got["d2t"], got["t2d"], got.get("lm_head.weight"))
+    got.update({"lm_head.weight": head} if head is not None else {})
     try:
         core.check_maps(got["d2t"], got["t2d"])
     except EyasError as e:
