@@ -168,6 +168,9 @@ PLANS = {
     # 1.87x plain (acceptance 2.31), chain 1.77x, prompt lookup 1.15x. MT-bench (2 per category) + MBPP, fp32:
     # tree 1.78x (2.20), chain 1.63x; tree 8,7,48 at cutoff 0: acceptance 3.16 at 0.91x. `minutes` are that run's,
     # but the bench's: that argv with tree+lookup added (the bench's third method since) took 5.5 min there.
+    # Again with Muon's 3-step iteration (2026-12-05, stop 54, the same CPU on a faster hour: regeneration 650
+    # tok/s, capture 2.8x faster with no change to it): 68.8 min (data 15.2, capture 5.1, train 43.1 for 2,853
+    # steps at 953 tok/s, bench 5.4), val 3.05 (acc_0 0.690). `minutes` keep the slower run's figures.
     "medium": Plan(prompts=4000, answer_tokens=192, eval_fraction=0.04, max_len=1024, draft_vocab=8192,
                    train_epochs=3, train_max_steps=5000, ttt=5, batch_tokens=1024, bench_prompts=20,
                    bench_new_tokens=128, minutes=(0.2, 27, 0.1, 14, 56, 5.5), inputs=("builtin-public", "builtin"),
