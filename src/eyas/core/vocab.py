@@ -92,7 +92,7 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = N
     in_range = bool(((tgt >= 0) & (tgt < V)).all())
     d = d2t.long()
     looks_absolute = _strictly_increasing(d) and bool(((d >= 0) & (d < V)).all())
-    if (not in_range or not _strictly_increasing(tgt)) and (looks_absolute or marks_own_values(t2d, d, tgt)):
+    if marks_own_values(t2d, d, tgt) or ((not in_range or not _strictly_increasing(tgt)) and looks_absolute):
         raise VocabMapError("d2t holds absolute target ids, not offsets (target_id = i + d2t[i]); "
                             "fix: store d2t = ids - arange(N)")
     if not in_range:
@@ -104,9 +104,6 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = N
     if t2d.dtype != torch.bool:
         raise VocabMapError(f"t2d has dtype {t2d.dtype}; it must be bool [V]")
     held = torch.nonzero(t2d).flatten()
-    if held.numel() == N and torch.equal(held, torch.sort(d).values) and not torch.equal(held, tgt):
-        raise VocabMapError("d2t holds absolute target ids, not offsets (target_id = i + d2t[i]); "
-                            "fix: store d2t = ids - arange(N)")
     if held.numel() != N or not torch.equal(held, tgt):
         raise VocabMapError(f"t2d is inconsistent with d2t: t2d marks {held.numel()} ids, d2t maps {N}, "
                             "and nonzero(t2d) != arange(N) + d2t; rebuild t2d from d2t")

@@ -174,9 +174,8 @@ def check_vocab_maps(raw: RawCheckpoint) -> list[Finding]:
     valid = in_range and (ascending or torch.unique(tgt).numel() == n)  # engines only add the offsets
     d_abs_ok = _strict_inc(d) and bool((d >= 0).all()) and (V is None or bool((d < V).all()))
     ev = {"d2t_head": d[:6].tolist(), "min": int(d.min()), "max": int(d.max()), "N": n, "V": V}
-    unsorted_abs = held is not None and not ascending and core_vocab.marks_own_values(t2d, d, tgt)
-    if unsorted_abs or (d_abs_ok and n > 1 and (not valid or (held is not None and torch.equal(held, d)
-                                                              and not torch.equal(held, tgt)))):
+    marks_values = t2d is not None and core_vocab.marks_own_values(t2d, d, tgt)  # t2d marks d2t's own values
+    if marks_values or (d_abs_ok and n > 1 and not valid):
         return [make("EYAS-D2T-ABSOLUTE", "d2t holds absolute target ids; engines add arange(N) to it",
                      evidence={**ev, "max_target_id_read": int(tgt.max())},
                      cause="d2t must store offsets (target = i + d2t[i]); stored absolute ids shift every "

@@ -138,7 +138,8 @@ def read_checkpoint_vocab(ckpt: Path, need_head: bool = True) -> dict[str, torch
                         f"{got['d2t'].numel()} draft ids; the checkpoint is inconsistent")
     # ids listed in another order (engines serve that as is): ascending, the head rows moved along
     got["d2t"], head, _ = core.sort_map(got["d2t"], got["t2d"], got.get("lm_head.weight"))
-    got.update({"lm_head.weight": head} if head is not None else {})
+    if head is not None:
+        got["lm_head.weight"] = head
     try:
         core.check_maps(got["d2t"], got["t2d"])
     except EyasError as e:
