@@ -95,3 +95,27 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def smollm2_drafter(tmp_path_factory, builtin_target):
+    """A real SmolLM2 drafter trained on MT-bench answers (tests/smollm2_drafter.py), built once."""
+    import smollm2_drafter as sd
+    from eyas.cli import main
+
+    os.environ.setdefault("EYAS_NO_PROGRESS", "1")
+    return sd.build(tmp_path_factory.mktemp("smollm2_drafter"), builtin_target, PROMPTS,
+                    lambda *argv: main([str(a) for a in argv]))
+
+
+@pytest.fixture(scope="session")
+def vllm_ready():
+    """Skip (one line saying why) where vLLM cannot be installed, e.g. beside a CUDA torch; under CI
+    (CI=true), where `make test` installs it, its absence is a failure instead."""
+    from eyas.serve import vllm_engine
+
+    reason = vllm_engine.unavailable()
+    if reason and os.environ.get("CI"):
+        pytest.fail(f"CI must run the real-engine tests: {reason}")
+    if reason:
+        pytest.skip(reason)
