@@ -99,13 +99,19 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_drafter(tmp_path_factory, builtin_target):
-    """A real SmolLM2 drafter trained on MT-bench answers (tests/smollm2_drafter.py), built once."""
+    """A real SmolLM2 drafter trained on MT-bench answers (tests/smollm2_drafter.py), built once.
+    EYAS_TEST_SMOLLM2_DRAFTER=DIR builds it in DIR the first time and reuses it afterwards (for
+    development; CI builds it afresh)."""
     import smollm2_drafter as sd
     from eyas.cli import main
 
     os.environ.setdefault("EYAS_NO_PROGRESS", "1")
-    return sd.build(tmp_path_factory.mktemp("smollm2_drafter"), builtin_target, PROMPTS,
-                    lambda *argv: main([str(a) for a in argv]))
+    keep = os.environ.get("EYAS_TEST_SMOLLM2_DRAFTER")
+    if keep and (Path(keep) / "run" / "best").is_dir():
+        return sd.existing(Path(keep), builtin_target)
+    root = Path(keep) if keep else tmp_path_factory.mktemp("smollm2_drafter")
+    root.mkdir(parents=True, exist_ok=True)
+    return sd.build(root, builtin_target, PROMPTS, lambda *argv: main([str(a) for a in argv]))
 
 
 @pytest.fixture(scope="session")

@@ -48,4 +48,10 @@ def build(root: Path, target: Path, prompts_dir: Path, run_cli) -> Smollm2Drafte
     for argv in steps:
         code = run_cli(*argv)
         assert code == 0, f"eyas {' '.join(map(str, argv))} exited {code}"
-    return Smollm2Drafter(target=target, run=run, ckpt=run / "best", data=data, prompts=bench)
+    return existing(root, target)
+
+
+def existing(root: Path, target: Path) -> Smollm2Drafter:
+    """The drafter `build` wrote into `root`."""
+    return Smollm2Drafter(target=target, run=root / "run", ckpt=root / "run" / "best", data=root / "data",
+                          prompts=root / "bench_prompts.jsonl")
