@@ -86,14 +86,15 @@ def train_eyas(a) -> dict:
 
 def train_plan(a, epochs: int):
     """The captures' train split and the batches `eyas train` takes from it (seed 0), all epochs."""
-    from eyas import training
+    from eyas.core.batching import plan_batches, shape_length
     from eyas.formats.capture import CaptureReader
+    from eyas.formats.features import CaptureSplit, TensorSource
 
     readers = [CaptureReader(c) for c in a.capture]
-    src = training.TensorSource({"train": training.CaptureSplit(readers, "train")}, a.max_len)
+    src = TensorSource({"train": CaptureSplit(readers, "train")}, a.max_len)
     lengths = src.lengths("train")
-    shapes = [training.shape_length(n) for n in lengths]  # `eyas train` plans on padded shapes
-    epoch_plans = [training.plan_batches(shapes, a.batch_tokens, 0, e) for e in range(epochs)]
+    shapes = [shape_length(n) for n in lengths]  # `eyas train` plans on padded shapes
+    epoch_plans = [plan_batches(shapes, a.batch_tokens, 0, e) for e in range(epochs)]
     total = len(epoch_plans[0]) * epochs  # as Trainer.total: epoch 0's batch count x epochs
     if a.max_steps is not None:
         total = min(total, a.max_steps)
@@ -107,7 +108,8 @@ def train_speculators(a) -> dict:
     from speculators.models.eagle3 import Eagle3DraftModel
     from transformers import AutoConfig
 
-    from eyas import targets, training
+    from eyas import targets
+    from eyas.core.optim import lr_lambda
     from eyas.formats.checkpoint import save_checkpoint
     from eyas.formats.engines import import_checkpoint
     from eyas.formats.vocab import load_vocab
@@ -131,7 +133,7 @@ def train_speculators(a) -> dict:
     tokens, t0, budget = 0, time.perf_counter(), (a.speculators_minutes or 0) * 60
     spent = (lambda: min(1.0, (time.perf_counter() - t0) / budget)) if budget else None
     warmup = max(1, int(0.03 * len(plan)))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, training.lr_lambda(len(plan), warmup, spent))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(len(plan), warmup, spent))
     done = 0
     for step, idxs in enumerate(plan):
         if spent is not None and spent() >= 1.0:
@@ -182,9 +184,9 @@ def train_speculators(a) -> dict:
 
 def own_eval(model, readers, a, loss_cfg, ac) -> dict:
     """speculators' own accuracy counters on the eval split: a cross-check of eyas's import."""
-    from eyas import training
+    from eyas.formats.features import CaptureSplit
 
-    ev = training.CaptureSplit(readers, "eval")
+    ev = CaptureSplit(readers, "eval")
     sums: dict[str, float] = {}
     with torch.no_grad(), torch.autocast("cpu", dtype=ac or torch.float32, enabled=ac is not None):
         for i in range(len(ev)):

@@ -69,7 +69,8 @@ def features(target: Path, data: Path, seq_len: int, n: int, dtype: str, out: Pa
 
 
 def run_eyas(a, feats: dict, out: Path) -> dict:
-    from eyas import targets, training
+    from eyas import targets
+    from eyas.core.optim import make_optimizer
     from eyas.core import ttt
     from eyas.formats.vocab import load_vocab
     from eyas.stages.train import fresh_drafter
@@ -87,9 +88,9 @@ def run_eyas(a, feats: dict, out: Path) -> dict:
     lm = head.to(ac or torch.float32)
     tids = vm.target_ids
     # the optimizer `eyas train` builds
-    opt = training.make_optimizer(training.TrainConfig(lr=a.lr, dtype=a.dtype, optimizer=a.optimizer), d)
+    opt = make_optimizer(d, a.optimizer, a.lr, dtype=a.dtype)
     train, ev = feats["rows"][: a.train], feats["rows"][a.train:]
-    rows = ttt.head_rows(lm, tids)  # as eyas.training splits it once on a CPU
+    rows = ttt.head_rows(lm, tids)  # as eyas's Trainer splits it once on a CPU
 
     def batch(r):
         known = None if a.compute_argmax else r["argmax"][ttt.predicts_supervised(r["loss_mask"])]

@@ -155,14 +155,14 @@ def optimizer_cost(tdir: Path, device: torch.device, steps: int) -> dict:
     """Median ms of one optimizer step (after 5 warm-up steps) for each optimizer and training dtype."""
     from transformers import AutoConfig
 
-    from eyas import training
+    from eyas.core.optim import make_optimizer
 
     cfg = AutoConfig.from_pretrained(tdir)
     out = {}
     for dtype in ("bf16", "fp32"):
         for name in ("adamw", "muon"):
             d = random_drafter(cfg).to(device)
-            opt = training.make_optimizer(training.TrainConfig(optimizer=name, dtype=dtype, lr=1e-4), d)
+            opt = make_optimizer(d, name, 1e-4, dtype=dtype)
             params = [p for p in d.parameters() if p.requires_grad]
             for p in params:
                 p.grad = torch.randn_like(p) * 1e-3

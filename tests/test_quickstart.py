@@ -79,7 +79,7 @@ def test_code_fingerprint_follows_the_files(tmp_path):
     shutil.copytree(pathlib.Path(qs.__file__).resolve().parent.parent, pkg)
     before = qs.files_hash(pkg)
     assert before == qs.code_fingerprint()  # compiled-Python caches in the copy do not count
-    (pkg / "training.py").write_text((pkg / "training.py").read_text() + "\n# edited\n")
+    (pkg / "stages" / "trainer.py").write_text((pkg / "stages" / "trainer.py").read_text() + "\n# edited\n")
     assert qs.files_hash(pkg) != before
 
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import tiny
-from eyas import training
+from eyas.formats import features
+from eyas.stages import trainer as training
 from eyas.formats import capture as fcap
 from eyas.cli import main
 from eyas.formats.checkpoint import read_tensors
@@ -420,7 +421,7 @@ def test_vocab_mismatch_refused_and_remap_keeps_accuracy(pipe, tmp_path, eyas_cl
 
 
 def test_nan_stops_with_step_named_and_keeps_last_good_checkpoint(pipe, tmp_path, eyas_cli, monkeypatch):
-    real = training.TensorSource.batch
+    real = features.TensorSource.batch
     done = {"step": 0}
 
     def poisoned(self, split, idxs):
@@ -429,7 +430,7 @@ def test_nan_stops_with_step_named_and_keeps_last_good_checkpoint(pipe, tmp_path
             b.aux[0, 0, 0] = float("nan")
         return b
 
-    monkeypatch.setattr(training.TensorSource, "batch", poisoned)
+    monkeypatch.setattr(features.TensorSource, "batch", poisoned)
     monkeypatch.setattr(training, "STEP_HOOKS", [lambda step: done.update(step=step)])
     run = tmp_path / "run"
     code, out, err = eyas_cli("train", "--target", pipe["target"], "--capture", pipe["cap"], "--vocab", pipe["vocab"],

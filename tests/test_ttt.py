@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from eyas import training
+from eyas.core import batching
 from eyas.core import ttt
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 
@@ -366,7 +366,7 @@ def test_head_soft_cross_entropy_backward_runs_once():
 
 
 def test_trailing_padding_changes_nothing():
-    """Training pads batch lengths up to a multiple of 64 (training.shape_length): loss, step
+    """Training pads batch lengths up to a multiple of 64 (batching.shape_length): loss, step
     statistics and gradients must not depend on trailing padding (zeros, loss mask 0)."""
     d, ids = tiny_drafter()
     aux, x, last, mask, lm = _batch(T=9)
@@ -386,7 +386,7 @@ def test_trailing_padding_changes_nothing():
         torch.testing.assert_close(getattr(s1, f), getattr(s2, f))
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b)
-    assert training.shape_length(1) == training.shape_length(64) == 64 and training.shape_length(65) == 128
+    assert batching.shape_length(1) == batching.shape_length(64) == 64 and batching.shape_length(65) == 128
 
 
 def test_metrics_conditional_and_accept_length():

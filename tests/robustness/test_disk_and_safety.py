@@ -67,7 +67,7 @@ def test_capture_disk_full(healthy, tmp_path, cli, monkeypatch):
 
 def test_train_disk_full(healthy, tmp_path, cli, monkeypatch):
     from eyas.formats import checkpoint as ck
-    from eyas.training import checkpoint_steps
+    from eyas.stages.trainer import checkpoint_steps
 
     _enospc_after(monkeypatch, ck, "save_file", ok_calls=2)  # step-1 and best, then step-2 fails
     out = tmp_path / "run"
@@ -169,10 +169,11 @@ def test_capture_manifest_escaping_paths_rejected(healthy, tmp_path, shard):
 
 
 def test_nan_loss_stops_training_naming_step_and_batch(healthy, tmp_path, cli, monkeypatch):
-    from eyas import training
+    from eyas.core import ttt
+    from eyas.stages import trainer as training
     from eyas.formats.checkpoint import load_checkpoint
 
-    real = training.TTTModule.forward
+    real = ttt.TTTModule.forward
     calls = {"n": 0}
 
     def poisoned(self, *a, **k):
@@ -183,7 +184,7 @@ def test_nan_loss_stops_training_naming_step_and_batch(healthy, tmp_path, cli, m
                 loss = loss * float("nan")
         return loss, stats
 
-    monkeypatch.setattr(training.TTTModule, "forward", poisoned)
+    monkeypatch.setattr(ttt.TTTModule, "forward", poisoned)
     out = tmp_path / "run"
     code, _, err = _run(cli, "train", "--target", healthy["target"], "--capture", healthy["cap"], "--vocab",
                         healthy["vocab"], "--out", out, "--ttt", "2", "--max-steps", "3", "--eval-every", "1",

@@ -118,7 +118,7 @@ def test_kill_capture(healthy, tmp_path):
 
 def _check_run(out: Path) -> None:
     from eyas.formats.checkpoint import load_checkpoint
-    from eyas.training import checkpoint_steps
+    from eyas.stages.trainer import checkpoint_steps
 
     if not out.exists():
         return

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 STEP_WEIGHT = 0.8  # loss weight of step i is 0.8**i (EAGLE-3, SpecForge; speculators 0.9 defaults to 1.0)
 
@@ -487,3 +488,28 @@ def metrics(stats: StepStats) -> dict:
     out.update({f"loss_{i}": step_loss[i] for i in range(K)})
     out["positions"] = int(stats.valid[0])
     return out
+
+
+@dataclass
+class Target:
+    """What training needs of the target besides features: its LM head and logit transform
+    (for the target distributions) and fingerprint."""
+
+    lm_head: torch.Tensor  # (V, H)
+    fingerprint: str
+    logit_scale: float = 1.0  # targets.logit_transform
+    softcap: float | None = None
+
+
+class TTTModule(nn.Module):
+    """The drafter plus the TTT unroll as one forward, so DDP/FSDP see a normal module."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, autocast: torch.dtype | None, align_topk: int = 0):
+        super().__init__()
+        self.drafter, self.steps, self.autocast, self.align_topk = drafter, steps, autocast, align_topk
+
+    def forward(self, aux, input_ids, table: TargetTable, denom: torch.Tensor, scale: float = 1.0):
+        with torch.autocast(aux.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
+            loss, stats = ttt_forward(self.drafter, aux, input_ids, table, self.steps, denom, self.align_topk)
+        return loss * scale, stats

@@ -365,13 +365,13 @@ def run(args) -> int:
     report["summary"]["drafter_weights"] = drafter_weights or \
         (str(model.dtype).removeprefix("torch.") if drafters else None)
     if drafters and s.temperature <= 0:
-        from eyas import training
+        from eyas.formats.metrics import last_eval
 
         gap = {}
         for name, path in zip(names, args.drafter):
             tr, dr = pairs[name]
             mine = [m for m in methods if drafter_of(m, names) == name]
-            gap |= first_draft_gap(tr, dr, prompts, results, mine, s, training.last_eval(Path(path).parent))
+            gap |= first_draft_gap(tr, dr, prompts, results, mine, s, last_eval(Path(path).parent))
         report["summary"]["first_draft_gap"] = gap
     with atomic_dir(Path(args.out), args.force) as tmp:
         write_report(tmp, report, results, prompts, tok)

@@ -1,15 +1,14 @@
-"""The EAGLE-3 training loop (DESIGN 6): feature sources (offline capture or the target
-online), token-budget batching, AdamW or Muon + warmup/cosine, gradient clipping, evaluation,
+"""The EAGLE-3 training recipe (DESIGN 6): the loop over batches of a feature source, evaluation,
 atomic checkpoints with exact resume, DDP/FSDP, metrics (JSONL, TensorBoard, plots).
 
-The tensor math (TTT attention, shifts, loss, metrics) lives in `eyas.core.ttt`; this module
-wires it to data, optimizer and files. `eyas.stages.train` parses the command line, resolves
-and validates the inputs, then calls `train()`.
+The components it wires live where their layer is: the tensor math (TTT attention, loss,
+metrics) in `core.ttt`, batch planning in `core.batching`, optimizers in `core.optim`, the
+process group in `core.distributed`, feature sources in `formats.features`, checkpoint files in
+`formats.checkpoint`. `eyas.stages.train` resolves and validates the inputs, then runs `Trainer`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -17,20 +16,26 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from eyas.config import to_json
 from eyas.core import ttt
+from eyas.core.batching import plan_batches, shape_length
+from eyas.core.distributed import Dist
 from eyas.core.drafter import Eagle3Drafter
-from eyas.core.muon import MuonAdamW
+from eyas.core.optim import lr_lambda, make_optimizer
 from eyas.errors import EyasError
 from eyas.formats.checkpoint import read_tensors, save_checkpoint, sweep_partial
+from eyas.formats.features import Batch, split_fingerprint
+from eyas.formats.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from eyas.stages.train import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,175 +48,6 @@ STEP_HOOKS: list[Callable[[int], None]] = []  # called after each optimizer step
 
 class TrainingDiverged(EyasError):
     """NaN/Inf in the loss or gradients: training stops, no poisoned checkpoint is written."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Resolved training options (the CLI's flags; see `eyas train --help`)."""
-
-    ttt: int = 7
-    epochs: int = 1
-    lr: float = 1e-3
-    batch_tokens: int = 8192
-    max_len: int = 2048
-    max_steps: int | None = None
-    eval_every: int = 200
-    seed: int = 0
-    dtype: str = "bf16"
-    device: str = "cpu"
-    warmup_ratio: float = 0.03
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-    keep_last: int = 2
-    log_every: int = 10
-    fsdp: bool = False
-    target_chunk: int | None = None  # rows per chunk of the target table (None: ttt.TABLE_CHUNK by device)
-    aux_gain: bool = True  # per-channel power-of-two gain on fc's input (core.drafter.aux_gain_from_rms)
-    align_topk: int = 0  # loss only on slots reachable by top-k drafting (core.ttt.ttt_forward); 0 = off
-    time_budget: float | None = None  # seconds of training; the schedule ends at steps or time, whichever first
-    optimizer: str = "muon"  # "muon": core.muon.MuonAdamW (Muon on the hidden matrices); "adamw": AdamW on all
-
-
-@dataclass
-class Batch:
-    aux: torch.Tensor  # (B, T, n_aux*H)
-    last: torch.Tensor  # (B, T, H) final-norm target states
-    input_ids: torch.Tensor  # (B, T)
-    loss_mask: torch.Tensor  # (B, T)
-    argmax: torch.Tensor | None = None  # (B, T) the target's full-vocabulary argmax where captured (-1 elsewhere)
-    ids: list = field(default_factory=list)  # sample keys, for error messages
-    keys: list = field(default_factory=list)  # (split, index) of each sample: the trainer's cache key
-    tokens: int = 0  # unpadded tokens (what tokens/s counts)
-
-
-# ---------------------------------------------------------------- feature sources
-
-
-# Padded batch lengths are rounded up to a multiple of this: a few dozen distinct batch
-# shapes instead of hundreds, so the CPU kernels and glibc's heap reuse what earlier steps
-# set up. Measured on SmolLM2 captures (1.16M tokens, 80 steps, bf16, 2 threads): 264 vs
-# 363 s wall and 5.7 vs 8.4 GB peak anonymous RSS, for 19% padding instead of 8%.
-SHAPE_MULTIPLE = 64
-
-
-def shape_length(n: int) -> int:
-    return -(-n // SHAPE_MULTIPLE) * SHAPE_MULTIPLE
-
-
-def _pad(seqs: list[torch.Tensor], T: int, value=0) -> torch.Tensor:
-    out = seqs[0].new_full((len(seqs), T) + tuple(seqs[0].shape[1:]), value)
-    for b, s in enumerate(seqs):
-        out[b, : s.shape[0]] = s
-    return out
-
-
-class TensorSource:
-    """Captured features: per split, an indexable of dicts (aux, last, input_ids, loss_mask)
-    (a CaptureReader view, or lists of tensors in tests). Right-padded into batches."""
-
-    def __init__(self, splits: dict[str, Sequence], max_len: int):
-        self.splits, self.max_len = splits, max_len
-
-    def lengths(self, split: str) -> list[int]:
-        s = self.splits[split]
-        if hasattr(s, "lengths"):
-            return [min(n, self.max_len) for n in s.lengths()]
-        return [min(int(s[i]["input_ids"].shape[0]), self.max_len) for i in range(len(s))]
-
-    def sample_id(self, split: str, i: int):
-        s = self.splits[split]
-        return s.key(i) if hasattr(s, "key") else i
-
-    def argmax_stored(self) -> bool:
-        """Every sample of every split comes with the target's argmax (captures that store it)."""
-        return all(getattr(s, "argmax_stored", lambda: False)() for s in self.splits.values())
-
-    def batch(self, split: str, idxs: list[int]) -> Batch:
-        items = [self.splits[split][i] for i in idxs]
-        L = self.max_len
-        n = [min(it["input_ids"].shape[0], L) for it in items]
-        T = shape_length(max(n))
-        return Batch(aux=_pad([it["aux"][:L].float() for it in items], T),
-                     last=_pad([it["last"][:L].float() for it in items], T),
-                     input_ids=_pad([it["input_ids"][:L].long() for it in items], T),
-                     loss_mask=_pad([it["loss_mask"][:L].long() for it in items], T),
-                     argmax=_pad([it["argmax"][:L].long() for it in items], T, -1)
-                     if all("argmax" in it for it in items) else None,
-                     ids=[self.sample_id(split, i) for i in idxs],
-                     keys=[(split, i) for i in idxs], tokens=sum(n))
-
-
-class CaptureSplit:
-    """One split of one or more CaptureReaders as an indexable (no data read until indexed)."""
-
-    def __init__(self, readers, split: str):
-        readers = readers if isinstance(readers, (list, tuple)) else [readers]
-        self.idx = [(r, j) for r in readers for j in r.split_indices(split)]
-
-    def __len__(self) -> int:
-        return len(self.idx)
-
-    def __getitem__(self, i: int) -> dict:
-        r, j = self.idx[i]
-        return r[j]
-
-    def lengths(self) -> list[int]:
-        return [int(r.samples[j]["length"]) for r, j in self.idx]
-
-    def argmax_stored(self) -> bool:
-        return all("argmax" in r.keys for r, _ in self.idx)
-
-    def loss_masks(self):
-        return (r.loss_mask(j) for r, j in self.idx)
-
-    def key(self, i: int) -> str:
-        r, j = self.idx[i]
-        return str(r.samples[j].get("id", j))
-
-
-class OnlineSource:
-    """The target runs inside the training process: each batch of token ids goes through
-    the target's decoder stack with aux hooks (targets.capture_aux); nothing touches disk."""
-
-    def __init__(self, splits: dict[str, list], model: nn.Module, layer_ids: list[int], max_len: int):
-        from eyas import targets
-
-        self.splits, self.model, self.layer_ids, self.max_len = splits, model, layer_ids, max_len
-        self.base = targets.find_decoder_stack(model).base
-        self.device = next(model.parameters()).device
-
-    def lengths(self, split: str) -> list[int]:
-        return [min(len(s.input_ids), self.max_len) for s in self.splits[split]]
-
-    def sample_id(self, split: str, i: int):
-        return self.splits[split][i].id
-
-    @torch.no_grad()
-    def batch(self, split: str, idxs: list[int]) -> Batch:
-        from eyas import targets
-
-        samples = [self.splits[split][i] for i in idxs]
-        L = self.max_len
-        n = [len(s.input_ids[:L]) for s in samples]
-        ids = _pad([torch.tensor(s.input_ids[:L]) for s in samples], shape_length(max(n)))
-        mask = _pad([torch.tensor(s.loss_mask[:L]) for s in samples], ids.shape[1])
-        att = _pad([torch.ones(k, dtype=torch.long) for k in n], ids.shape[1])
-        with targets.capture_aux(self.model, self.layer_ids) as cap:
-            self.base(input_ids=ids.to(self.device), attention_mask=att.to(self.device))
-            aux, last = cap.aux().float(), cap.last.float()
-        return Batch(aux=aux, last=last, input_ids=ids, loss_mask=mask, ids=[s.id for s in samples],
-                     keys=[(split, i) for i in idxs], tokens=sum(n))
-
-
-def split_fingerprint(source, split: str = "train") -> str:
-    """Hash of a split's sample ids and lengths: what a checkpoint's data position indexes. Cheap
-    (no features read); a copy of the same capture elsewhere has the same one."""
-    ids = [str(source.sample_id(split, i)) for i in range(len(source.splits[split]))]
-    blob = json.dumps([ids, source.lengths(split)])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------- fc input gain
 
 
 GAIN_TOKENS = 65536  # training tokens the aux channel RMS is measured on
@@ -252,140 +88,14 @@ def apply_aux_gain(drafter: Eagle3Drafter, source, keep_function: bool) -> dict:
                          "rms_max": float(rms.max()), "gain_min": float(gain.min()), "gain_max": float(gain.max())}}
 
 
-# ---------------------------------------------------------------- batching
-
-
-LENGTH_WINDOW = 256  # samples sorted by length together when planning training batches
-
-
-def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, world: int = 1,
-                 shuffle: bool = True) -> list[list[int]]:
-    """Group sample indices into padded batches of at most `batch_tokens` (B * max length),
-    in an order fixed by (seed, epoch); every batch holds at least `world` samples so each
-    rank gets one (a leftover smaller group joins the previous batch). With `shuffle`, samples
-    come in random order, sorted by length within windows of LENGTH_WINDOW (batches of similar
-    lengths waste little on padding), and the batches are then shuffled."""
-    n = len(lengths)
-    order = list(range(n))
-    if shuffle:
-        g = torch.Generator().manual_seed(seed * 100003 + epoch)
-        order = torch.randperm(n, generator=g).tolist()
-        order = [i for w in range(0, n, LENGTH_WINDOW) for i in sorted(order[w:w + LENGTH_WINDOW],
-                                                                       key=lambda i: lengths[i])]
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        m = max(cur_max, lengths[i])
-        if len(cur) >= world and (len(cur) + 1) * m > batch_tokens:
-            batches.append(cur)
-            cur, m = [], lengths[i]
-        cur.append(i)
-        cur_max = m
-    if cur:
-        if len(cur) < world and batches:
-            batches[-1].extend(cur)
-        elif len(cur) >= world:
-            batches.append(cur)
-    if shuffle:
-        batches = [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
-    return batches
-
-
-# ---------------------------------------------------------------- distributed
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            t = t.clone()
-            dist.all_reduce(t)
-        return t
-
-
-def init_distributed(device: torch.device) -> Dist:
-    """Join the torchrun process group when launched by it (gloo on CPU, NCCL on GPU)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return Dist()
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size())
-
-
-class TTTModule(nn.Module):
-    """The drafter plus the TTT unroll as one forward, so DDP/FSDP see a normal module."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int, autocast: torch.dtype | None, align_topk: int = 0):
-        super().__init__()
-        self.drafter, self.steps, self.autocast, self.align_topk = drafter, steps, autocast, align_topk
-
-    def forward(self, aux, input_ids, table: ttt.TargetTable, denom: torch.Tensor, scale: float = 1.0):
-        with torch.autocast(aux.device.type, dtype=self.autocast or torch.float32,
-                            enabled=self.autocast is not None):
-            loss, stats = ttt.ttt_forward(self.drafter, aux, input_ids, table, self.steps, denom, self.align_topk)
-        return loss * scale, stats
-
-
-# ---------------------------------------------------------------- the trainer
-
-
-@dataclass
-class Target:
-    """What training needs of the target besides features: its LM head and logit transform
-    (for the target distributions) and fingerprint."""
-
-    lm_head: torch.Tensor  # (V, H)
-    fingerprint: str
-    logit_scale: float = 1.0  # targets.logit_transform
-    softcap: float | None = None
-
-
-def lr_lambda(total: int, warmup: int, time_progress: Callable[[], float] | None = None) -> Callable[[int], float]:
-    """Linear warmup to 1 over `warmup` steps, then cosine to 0 at `total`. With `time_progress`
-    (share of a time budget spent, 0..1) the run is as far along as the further of steps and time:
-    warmup ends at `warmup` steps or the same share of the time, and the cosine follows the same."""
-    def f(step: int) -> float:
-        prog = (step - warmup) / max(1, total - warmup)
-        if time_progress is not None:
-            share = warmup / max(1, total)  # of the steps, hence of the time
-            t = time_progress()
-            if step < warmup and t < share:
-                return max((step + 1) / warmup, t / share) if share > 0 else 1.0
-            prog = max(prog, (t - share) / max(1e-9, 1 - share))
-        elif step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, prog)))
-    return f
-
-
-def make_optimizer(cfg: TrainConfig, drafter: Eagle3Drafter) -> torch.optim.Optimizer:
-    """AdamW on every trainable parameter, or (`muon`) Muon on the hidden matrices (fc and the
-    midlayer's projections) with AdamW on the draft head and norms; betas 0.9/0.95 either way."""
-    trainable = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW([p for _, p in trainable], lr=cfg.lr, betas=(0.9, 0.95),
-                                 weight_decay=cfg.weight_decay, fused=not cfg.fsdp)  # fused: ~3x faster step on CPU
-    hidden = [p for n, p in trainable if p.ndim == 2 and not n.startswith("lm_head")]
-    ids = {id(p) for p in hidden}
-    # the Newton-Schulz iteration in the training's compute dtype: bf16 (as torch.optim.Muon) where bf16 is
-    # native, fp32 where it is not: there a bf16 iteration cost about 5x (SmolLM2's drafter on a 2-core AVX2
-    # EPYC: 2.3 s vs 0.46 s per step)
-    return MuonAdamW(hidden, [p for _, p in trainable if id(p) not in ids], lr=cfg.lr, weight_decay=cfg.weight_decay,
-                     ns_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
-
-
 class Trainer:
-    def __init__(self, cfg: TrainConfig, drafter: Eagle3Drafter, source, target: Target, out: Path,
-                 meta: dict, dist_: Dist | None = None):
+    def __init__(self, cfg: TrainConfig, drafter: Eagle3Drafter, source, target: ttt.Target, out: Path,
+                 meta: dict, dist_: Dist | None = None, device: torch.device | None = None):
         self.cfg, self.drafter, self.source, self.target, self.out, self.meta = cfg, drafter, source, target, out, meta
         self.dist = dist_ or Dist()
-        self.device = torch.device(cfg.device)
+        self.device = device or torch.device(cfg.device)
+        # --time-budget is in minutes; the loop counts seconds
+        self.budget_s = cfg.time_budget * 60 if cfg.time_budget else None
         self.autocast = torch.bfloat16 if cfg.dtype == "bf16" else (torch.float16 if cfg.dtype == "fp16" else None)
         drafter.to(self.device)
         self.lm_head = target.lm_head.to(self.device, torch.bfloat16 if self.autocast else torch.float32)
@@ -396,9 +106,9 @@ class Trainer:
         # without the other rows (~100 MB of SmolLM2's head in fp32) when every sample brings its argmax
         rest = not getattr(source, "argmax_stored", lambda: False)()
         self.head_rows = ttt.head_rows(self.lm_head, self.target_ids, rest) if self.device.type == "cpu" else None
-        self.module = self._wrap(TTTModule(drafter, cfg.ttt, self.autocast, cfg.align_topk))
+        self.module = self._wrap(ttt.TTTModule(drafter, cfg.ttt, self.autocast, cfg.align_topk))
         self.params = [p for p in drafter.parameters() if p.requires_grad]
-        self.opt = make_optimizer(cfg, drafter)
+        self.opt = make_optimizer(drafter, cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.dtype, fused=not cfg.fsdp)
         # batches are planned on the padded shapes
         self.train_lengths = [shape_length(n) for n in source.lengths("train")]
         self.eval_lengths = [shape_length(n) for n in source.lengths("eval")]
@@ -410,7 +120,7 @@ class Trainer:
         self.train_seconds, self.time_spent = 0.0, 0.0
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_lambda(self.total, max(1, int(cfg.warmup_ratio * self.total)),
-                                (lambda: self.time_spent) if cfg.time_budget else None))
+                                (lambda: self.time_spent) if self.budget_s else None))
         self.step, self.epoch, self.batch_in_epoch, self.best = 0, 0, 0, -1.0
         self.stopped_by_time = False
         self._clock = (time.perf_counter(), 0.0)  # (perf_counter, train_seconds) when run() started
@@ -513,7 +223,7 @@ class Trainer:
                 plan = plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, self.epoch, self.dist.world)
                 while self.batch_in_epoch < len(plan) and self.step < self.total:
                     self._tick()
-                    if cfg.time_budget and self._out_of_time():
+                    if self.budget_s and self._out_of_time():
                         break
                     idxs = plan[self.batch_in_epoch][self.dist.rank::self.dist.world]
                     b = self.source.batch("train", idxs)
@@ -524,8 +234,8 @@ class Trainer:
                     tps = tokens / max(1e-9, time.perf_counter() - t0)
                     if bar is not None:
                         bar.update(1)
-                        left = {"budget_left": f"{(cfg.time_budget - self.train_seconds) / 60:.1f}min"} \
-                            if cfg.time_budget else {}
+                        left = {"budget_left": f"{(self.budget_s - self.train_seconds) / 60:.1f}min"} \
+                            if self.budget_s else {}
                         bar.set_postfix(loss=f"{r['loss']:.3f}", tok_s=f"{tps:,.0f}", **left)
                     if self.step % cfg.log_every == 0 or self.step == 1:
                         self._log({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": r["loss"],
@@ -541,7 +251,7 @@ class Trainer:
                 bar.close()
         if self.stopped_by_time and self.dist.main:
             log.info("--time-budget %.1f min spent: stopped at step %d of %d (the schedule ended with it)",
-                     cfg.time_budget / 60, self.step, self.total)
+                     cfg.time_budget, self.step, self.total)
         if not last_eval or last_eval.get("step") != self.step:
             last_eval = self._eval_and_save()
         self._finish(last_eval, tokens / max(1e-9, time.perf_counter() - t0))
@@ -556,7 +266,7 @@ class Trainer:
         at the same step); sets `time_spent`, which the schedule follows."""
         seconds = self.dist.all_sum(torch.tensor([self.train_seconds], dtype=torch.float64, device=self.device))
         self.train_seconds = float(seconds[0]) / self.dist.world
-        self.time_spent = min(1.0, self.train_seconds / self.cfg.time_budget)
+        self.time_spent = min(1.0, self.train_seconds / self.budget_s)
         self.stopped_by_time = self.time_spent >= 1.0
         return self.stopped_by_time
 
@@ -635,7 +345,7 @@ class Trainer:
                  "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.epoch,
                  "batch_in_epoch": self.batch_in_epoch, "best": self.best, "rng": rng_state(),
                  "train_seconds": self.train_seconds, "train_data": self.train_data,
-                 "config": asdict(self.cfg), "aux_gain": self.drafter.aux_gain.detach().cpu().clone(),
+                 "config": to_json(self.cfg), "aux_gain": self.drafter.aux_gain.detach().cpu().clone(),
                  "world": self.dist.world}
         tmp = ck / f".{STATE_FILE}.tmp"
         torch.save(state, tmp)
@@ -720,7 +430,7 @@ class Trainer:
         except Exception as e:  # unpickling raises many types for a damaged file
             raise EyasError(f"--resume: {ck / STATE_FILE} cannot be read ({type(e).__name__}); delete {ck} to "
                             "resume from the checkpoint before it, or start a new --out") from e
-        now = asdict(self.cfg)
+        now = to_json(self.cfg)
         saved = {"optimizer": "adamw", **state["config"]}  # runs from before --optimizer trained with AdamW
         changed = {k: (v, now.get(k)) for k, v in saved.items()
                    if k in RESUME_MUST_MATCH and now.get(k) != v}
@@ -765,8 +475,8 @@ class Trainer:
         self.step, self.epoch = state["step"], state["epoch"]
         self.batch_in_epoch, self.best = state["batch_in_epoch"], state["best"]
         self.train_seconds = state.get("train_seconds", 0.0)
-        if self.cfg.time_budget:
-            self.time_spent = min(1.0, self.train_seconds / self.cfg.time_budget)
+        if self.budget_s:
+            self.time_spent = min(1.0, self.train_seconds / self.budget_s)
         set_rng_state(state["rng"])
         return self.step
 
@@ -795,20 +505,6 @@ def set_rng_state(s: dict) -> None:
     random.setstate((v, tuple(mt), gauss))
     n = s["numpy"]
     np.random.set_state((n[0], n[1].numpy().astype(np.uint32), n[2], n[3], n[4]))
-
-
-def read_metrics(metrics_file: Path) -> list[dict]:
-    """The records of a metrics.jsonl, in order."""
-    return [json.loads(line) for line in Path(metrics_file).read_text().splitlines() if line.strip()]
-
-
-def last_eval(run_dir: Path) -> dict | None:
-    """The last eval record of a training run's metrics.jsonl, or None when there is none."""
-    f = Path(run_dir) / "metrics.jsonl"
-    if not f.is_file():
-        return None
-    ev = [r for r in read_metrics(f) if r.get("kind") == "eval" and "acc_0" in r]
-    return ev[-1] if ev else None
 
 
 def plot_metrics(metrics_file: Path, out: Path) -> list[Path]:

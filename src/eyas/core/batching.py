@@ -1,0 +1,61 @@
+"""Planning padded batches of variable-length samples (pure index arithmetic, no I/O).
+
+Training plans batches under a token budget (`plan_batches`); every batch length is rounded up
+(`shape_length`) so the kernels see few distinct shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Padded batch lengths are rounded up to a multiple of this: a few dozen distinct batch
+# shapes instead of hundreds, so the CPU kernels and glibc's heap reuse what earlier steps
+# set up. Measured on SmolLM2 captures (1.16M tokens, 80 steps, bf16, 2 threads): 264 vs
+# 363 s wall and 5.7 vs 8.4 GB peak anonymous RSS, for 19% padding instead of 8%.
+SHAPE_MULTIPLE = 64
+
+
+def shape_length(n: int) -> int:
+    return -(-n // SHAPE_MULTIPLE) * SHAPE_MULTIPLE
+
+
+def pad(seqs: list[torch.Tensor], T: int, value=0) -> torch.Tensor:
+    out = seqs[0].new_full((len(seqs), T) + tuple(seqs[0].shape[1:]), value)
+    for b, s in enumerate(seqs):
+        out[b, : s.shape[0]] = s
+    return out
+
+
+LENGTH_WINDOW = 256  # samples sorted by length together when planning training batches
+
+
+def plan_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, world: int = 1,
+                 shuffle: bool = True) -> list[list[int]]:
+    """Group sample indices into padded batches of at most `batch_tokens` (B * max length),
+    in an order fixed by (seed, epoch); every batch holds at least `world` samples so each
+    rank gets one (a leftover smaller group joins the previous batch). With `shuffle`, samples
+    come in random order, sorted by length within windows of LENGTH_WINDOW (batches of similar
+    lengths waste little on padding), and the batches are then shuffled."""
+    n = len(lengths)
+    order = list(range(n))
+    if shuffle:
+        g = torch.Generator().manual_seed(seed * 100003 + epoch)
+        order = torch.randperm(n, generator=g).tolist()
+        order = [i for w in range(0, n, LENGTH_WINDOW) for i in sorted(order[w:w + LENGTH_WINDOW],
+                                                                       key=lambda i: lengths[i])]
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        m = max(cur_max, lengths[i])
+        if len(cur) >= world and (len(cur) + 1) * m > batch_tokens:
+            batches.append(cur)
+            cur, m = [], lengths[i]
+        cur.append(i)
+        cur_max = m
+    if cur:
+        if len(cur) < world and batches:
+            batches[-1].extend(cur)
+        elif len(cur) >= world:
+            batches.append(cur)
+    if shuffle:
+        batches = [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
+    return batches
