@@ -4,12 +4,11 @@ import os
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-PROBE = ("from eyas import hostmem\n"
-         "ok = hostmem.retain_freed_memory()\n"
-         "print(ok, hostmem.retain_freed_memory())\n")
+PROBE = str(Path(__file__).with_name("hostmem_probe.py"))
 
 
 def clean_env() -> dict:
@@ -19,7 +18,7 @@ def clean_env() -> dict:
 
 
 def probe(**env) -> str:
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean_env(), **env}, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, PROBE, "once"], env={**clean_env(), **env}, capture_output=True, text=True,
                          check=True)
     return out.stdout.strip()
 
@@ -35,19 +34,7 @@ def test_thresholds_raised_once_and_user_settings_respected():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_freed_large_buffer_is_reused_not_faulted_in_again():
     """The effect itself: after a 64 MB buffer is freed, the next one costs no new page faults."""
-    code = ("import resource, sys\n"
-            "from eyas import hostmem\n"
-            "if sys.argv[1] == '1': assert hostmem.retain_freed_memory()\n"
-            "import ctypes\n"
-            "libc = ctypes.CDLL('libc.so.6'); libc.malloc.restype = ctypes.c_void_p\n"
-            "n = 64 << 20\n"
-            "def touch():\n"
-            "    p = libc.malloc(n); ctypes.memset(p, 1, n); libc.free(ctypes.c_void_p(p))\n"
-            "touch()\n"
-            "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-            "for _ in range(5): touch()\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
-    faults = {arm: int(subprocess.run([sys.executable, "-c", code, arm], env=clean_env(), capture_output=True, text=True,
+    faults = {arm: int(subprocess.run([sys.executable, PROBE, "faults", arm], env=clean_env(), capture_output=True, text=True,
                                       check=True).stdout) for arm in ("0", "1")}
     pages = 5 * (64 << 20) // resource.getpagesize()
     assert faults["0"] > pages // 2  # glibc's default: each buffer mapped and faulted in afresh

@@ -34,14 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"eyas {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in STAGES:
-        try:
-            module = importlib.import_module(f"eyas.stages.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"eyas.stages.{name}":
-                raise
-            continue
-        module.register(sub)
+    for name in STAGES:  # a stage module that fails to import is an error, never a missing subcommand
+        importlib.import_module(f"eyas.stages.{name}").register(sub)
     return parser
 
 

@@ -26,29 +26,44 @@ LEFTOVERS: dict[str, list] = {}  # hidden temp entries a killed run left in its 
 
 
 def _kill_cycle(argv, ref_wall: float, seed: int, n: int, check) -> list:
-    """Kill at n seeded points in (STARTUP_S*0.8, ref_wall), checking the out dir after each."""
+    """Kill at n seeded points in (STARTUP_S*0.8, ref_wall), checking what each kill left with
+    `check() -> "absent" | "rejected" | "valid"`. A cycle whose kills all came before the command
+    wrote anything has checked nothing: it is killed once more late in its run (each rerun resumes),
+    and at least one kill must have left something for the check to judge."""
     outcomes = []
     for t in kill_points(seed, n, min(STARTUP_S * 0.8, ref_wall * 0.3), ref_wall * 0.95):
         code = run_and_kill(argv, t)
-        outcomes.append((round(t, 2), code))
-        check()
+        outcomes.append((round(t, 2), code, check()))
+    if all(o[2] == "absent" for o in outcomes):
+        code = run_and_kill(argv, ref_wall * 0.9)
+        outcomes.append((round(ref_wall * 0.9, 2), code, check()))
+    assert any(o[2] != "absent" for o in outcomes), f"no kill left anything to check: {outcomes}"
     return outcomes
 
 
 # ---------------------------------------------------------------- data prepare --regenerate
 
 
-def _check_prepared(out: Path) -> None:
+def _check_prepared(out: Path) -> str:
+    """The output appears whole (renamed at the end); before that the resumable state is the work
+    file beside it, whose complete lines must each be a finished batch."""
     from eyas.formats.data import read_manifest, read_samples
 
+    work = out.with_name(out.name + ".partial") / "batches.jsonl"
     if not out.exists():
-        return
+        if not work.is_file():
+            return "absent"
+        lines = work.read_text(encoding="utf-8").split("\n")
+        for line in lines[:-1]:  # the last, unterminated one may be torn by the kill
+            assert "batch" in json.loads(line), line[:80]
+        return "valid"
     try:
         m = read_manifest(out)
     except EyasError:
-        return  # rejected
+        return "rejected"
     for split in ("train", "eval"):  # a visible manifest must come with complete samples
         assert len(read_samples(out, split)) == m["counts"][split]
+    return "valid"
 
 
 def _prepared_view(out: Path) -> dict:
@@ -83,18 +98,20 @@ def test_kill_prepare_regenerate(healthy, tmp_path):
 # ---------------------------------------------------------------- capture
 
 
-def _check_capture(out: Path) -> None:
+def _check_capture(out: Path) -> str:
     from eyas.formats.capture import CaptureReader
 
-    if not out.exists():
-        return
-    for f in out.glob("shard-*.safetensors"):  # a shard under its final name is complete
+    shards = list(out.glob("shard-*.safetensors")) if out.exists() else []
+    if not shards and not (out / "manifest.json").exists():
+        return "absent"
+    for f in shards:  # a shard under its final name is complete
         load_file(f)
     try:
         reader = CaptureReader(out)
     except EyasError:
-        return
+        return "rejected"  # no manifest yet: readers refuse the directory
     reader.validate()
+    return "valid"
 
 
 def test_kill_capture(healthy, tmp_path):
@@ -116,18 +133,20 @@ def test_kill_capture(healthy, tmp_path):
 # ---------------------------------------------------------------- train
 
 
-def _check_run(out: Path) -> None:
+def _check_run(out: Path) -> str:
     from eyas.formats.checkpoint import load_checkpoint
     from eyas.stages.trainer import checkpoint_steps
 
-    if not out.exists():
-        return
-    for s in checkpoint_steps(out):  # complete step checkpoints must load
+    steps = checkpoint_steps(out) if out.exists() else []
+    done = [n for n in ("final", "best") if (out / n).exists()]
+    if not steps and not done:
+        return "absent"
+    for s in steps:  # complete step checkpoints must load
         load_checkpoint(out / "checkpoints" / f"step-{s}")
         torch.load(out / "checkpoints" / f"step-{s}" / "train_state.pt", weights_only=True)
-    for name in ("final", "best"):
-        if (out / name).exists():
-            load_checkpoint(out / name)
+    for name in done:
+        load_checkpoint(out / name)
+    return "valid"
 
 
 def _state_equal(a: Path, b: Path) -> None:
