@@ -1,4 +1,4 @@
-"""transformers' sdpa attention vs `runtime.sdpa_grouped` for the target, side by side in one run.
+"""transformers' sdpa attention vs `cpu.attention.sdpa_grouped` for the target, side by side in one run.
 
 On a CPU, transformers copies every KV head to each of its query heads whenever a mask is
 present (every verification forward of more than one token); `sdpa_grouped` lets SDPA group the

@@ -1,4 +1,4 @@
-"""Plain vs oneDNN-prepacked weights (`eyas.core.prepack`), side by side in one run.
+"""Plain vs oneDNN-prepacked weights (`eyas.cpu.prepack`), side by side in one run.
 
 Forward cost: each forward appends T tokens to a KV cache of --context tokens (a
 verification step); the two builds alternate forward by forward; median of --repeats in ms,
@@ -20,7 +20,7 @@ import time
 import torch
 
 from eyas import runtime, targets
-from eyas.core import prepack
+from eyas.cpu import prepack
 
 import ab_args  # bench/ab_args.py, beside this script
 

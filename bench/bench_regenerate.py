@@ -6,7 +6,7 @@ Usage: EYAS_HOME=... python bench/bench_regenerate.py [--prompts 64] [--max-new-
        [--rounds 2] [--threads 2]
 The prompts are the first N built-in prompts (first user turn, chat template applied), sorted
 by length as `eyas data prepare` batches them; each round runs every arm once (eyas at each
-`--eyas-batch` and `--attention` kernel of bf16 decoding, `regenerate.LOW_PRECISION_SDPA`; HF
+`--eyas-batch` and `--attention` kernel of bf16 decoding, `attention.LOW_PRECISION_SDPA`; HF
 unless `--hf-batch 0`), in reversed order every other round. Counted tokens
 stop at the first end-of-turn token, as `eyas data prepare --regenerate` counts them. Also
 reports how many answers each arm writes identically to the reference arm (HF, else the first
@@ -23,13 +23,14 @@ import time
 import torch
 
 from eyas import regenerate, targets
+from eyas.cpu import attention
 from eyas.builtin_prompts import builtin_prompts
 from eyas.formats.data import end_of_turn_ids
 from eyas.regenerate import decode_batch
 from eyas.stages.data import REGEN_BATCH
 
 
-DEFAULT_SDPA = regenerate.LOW_PRECISION_SDPA
+DEFAULT_SDPA = attention.LOW_PRECISION_SDPA
 
 
 def hf_generate(model, prompts: list[list[int]], max_new: int, stops: list[int], pad: int, batch: int):
@@ -50,7 +51,7 @@ def hf_generate(model, prompts: list[list[int]], max_new: int, stops: list[int],
 
 def eyas_generate(model, prompts, max_new, stops, batch, sdpa=None):
     """`sdpa`: None = this CPU's default kernel for bf16 decoding attention, else forced."""
-    regenerate.LOW_PRECISION_SDPA = DEFAULT_SDPA if sdpa is None else sdpa
+    attention.LOW_PRECISION_SDPA = DEFAULT_SDPA if sdpa is None else sdpa
     out = []
     for b in range(0, len(prompts), batch):
         out += decode_batch(model, prompts[b:b + batch], max_new, stops, 0.0)

@@ -221,7 +221,7 @@ def main() -> None:
         feats = torch.load(a.feats, weights_only=True)
         fn = run_eyas if a.which == "eyas" else run_speculators
         if a.which == "eyas":  # as every eyas command runs (eyas.cli.main); speculators keeps glibc's defaults
-            from eyas import hostmem
+            from eyas.cpu import hostmem
 
             hostmem.retain_freed_memory()
         print(json.dumps(fn(a, feats, a.feats.parent)))

@@ -10,7 +10,7 @@ import ctypes
 import resource
 import sys
 
-from eyas import hostmem
+from eyas.cpu import hostmem
 
 
 def once() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eyas import targets
-from eyas.core import prepack
+from eyas.cpu import prepack
 from eyas.stages import bench
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.formats.checkpoint import save_checkpoint

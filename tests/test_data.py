@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import KINDS, PROMPTS
 
-from eyas.core import prepack
+from eyas.cpu import prepack
 from eyas.errors import EyasError
 from eyas.formats.data import end_of_turn_ids, read_manifest, read_samples, render_masked, split_of
 
@@ -318,10 +318,10 @@ def test_gqa_attention_equals_eager(dtype, sdpa, monkeypatch):
 
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    from eyas import regenerate
-    from eyas.regenerate import gqa_attention
+    from eyas.cpu import attention
+    from eyas.cpu.attention import gqa_attention
 
-    monkeypatch.setattr(regenerate, "LOW_PRECISION_SDPA", sdpa)
+    monkeypatch.setattr(attention, "LOW_PRECISION_SDPA", sdpa)
 
     g = torch.Generator().manual_seed(0)
     B, H, kvh, T, S, D = 3, 6, 2, 2, 11, 8

@@ -1,4 +1,4 @@
-"""eyas.hostmem: glibc's thresholds raised once per process, unless the user chose otherwise."""
+"""eyas.cpu.hostmem: glibc's thresholds raised once per process, unless the user chose otherwise."""
 
 import os
 import resource

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from eyas import targets
-from eyas.core import prepack
+from eyas.cpu import prepack
 
 pytestmark = pytest.mark.skipif(not prepack.supported(torch.float32, "cpu"),
                                 reason="this PyTorch build has no oneDNN linear packing")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eyas import runtime, targets
-from eyas.core import prepack
+from eyas.cpu import prepack
 from eyas.core import speculative as spec
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 
@@ -424,7 +424,7 @@ def test_greedy_identity_with_real_drafters(tiny, trained, method, cutoff):
 @pytest.mark.skipif(not prepack.supported(torch.float32, "cpu"), reason="no oneDNN linear packing in this build")
 @pytest.mark.parametrize("method", ["chain", "tree"])
 def test_greedy_identity_with_prepacked_models(tiny, trained, method):
-    """`eyas bench` prepacks target and drafter (core/prepack): the output is still the unpacked
+    """`eyas bench` prepacks target and drafter (cpu/prepack): the output is still the unpacked
     target's HF greedy output, and the drafter is accepted exactly as often as unpacked."""
     model, _ = tiny
     pm, pd = copy.deepcopy(model), copy.deepcopy(trained)
@@ -598,7 +598,7 @@ def test_sampling_runs_end_to_end(tiny, trained, method, cutoff):
 
 
 def test_grouped_sdpa_is_bit_identical_and_scoped(tiny_target, monkeypatch):
-    """The target's verification forwards run `runtime.sdpa_grouped` (SDPA groups the KV heads
+    """The target's verification forwards run `cpu.attention.sdpa_grouped` (SDPA groups the KV heads
     itself instead of transformers copying them under a mask): logits and features bit for bit
     those of transformers' own sdpa, for a causal chain and an explicit tree mask; the model's
     attention setting is back to sdpa outside the runner's forwards (HF's baselines use it)."""

@@ -13,7 +13,8 @@ import importlib
 import logging
 import sys
 
-from eyas import __version__, hostmem
+from eyas import __version__
+from eyas.cpu import hostmem
 from eyas.errors import EyasError
 
 STAGES = ("target", "data", "vocab", "capture", "train", "export", "bench", "doctor", "quickstart")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    hostmem.retain_freed_memory()  # freed tensor buffers reused, not faulted in afresh (eyas.hostmem)
+    hostmem.retain_freed_memory()  # freed tensor buffers reused, not faulted in afresh (eyas.cpu.hostmem)
     try:
         if getattr(args, "dtype", None) == "auto":  # the machine's fast dtype, or the subcommand's own rule
             from eyas import targets

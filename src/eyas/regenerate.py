@@ -24,11 +24,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from eyas.cpu.attention import plain_attention, register_decode_attention
 from eyas.errors import EyasError
 from eyas.formats.prompts import Conversation, dedup_key
-from eyas.targets import cpu_has_amx
 
 log = logging.getLogger(__name__)
 WORK_VERSION = 3  # 3: each batch record carries its `cut` count
@@ -166,8 +165,8 @@ def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, tick) -
     cache = Cache(layers=[PreallocLayer(L + max_new_tokens) for _ in range(n_layers)])
     logits = model(input_ids=ids.to(dev), attention_mask=mask[:, :L].to(dev), position_ids=pos.to(dev),
                    past_key_values=cache, use_cache=True, logits_to_keep=_last(L)).logits[:, -1]
-    if dev.type == "cpu" and _plain_attention(model):  # one query per row from here on
-        model.set_attn_implementation(_register_decode_attention())
+    if dev.type == "cpu" and plain_attention(model):  # one query per row from here on
+        model.set_attn_implementation(register_decode_attention())
     nxt = pos[:, -1] + 1  # next position of each live row
     live = torch.arange(B)  # original index of each live row
     done = torch.zeros(B, dtype=torch.bool)
@@ -207,63 +206,6 @@ def _last(L: int) -> torch.Tensor:
     torch.matmul expanded the head to (B, H, vocab) and copied it (3.6 GB and ~8 s per batch of
     64 on SmolLM2 in bf16); indexing hands the head a contiguous (B, 1, H)."""
     return torch.tensor([L - 1])
-
-
-DECODE_ATTENTION = "eyas_gqa_decode"
-# Whether bf16 / fp16 decoding attention goes through SDPA's grouped-query kernel: where the CPU
-# has AMX. Per layer and step, SmolLM2 shapes, 128 rows, keys and values as views of the cache:
-# with AMX SDPA took 10 ms at 900 cached tokens against 58 for the matmul below (2026-12-02);
-# on a Zen 4 CPU without AMX (AVX512-BF16) SDPA took 6.8 / 26 / 58 ms at 100 / 400 / 900 tokens
-# and the matmul 1.0 / 8.1 / 39 (2026-12-04), so there the matmul serves every dtype.
-LOW_PRECISION_SDPA = cpu_has_amx()
-
-
-def gqa_attention(module, query, key, value, attention_mask, scaling: float, dropout: float = 0.0, **kwargs):
-    """Attention for a few queries per sequence over a long KV cache, on CPU, without
-    transformers' eager `repeat_kv` copy (B x heads x S x d per layer and step). The cache's
-    keys and values are views of a preallocated buffer (strided over the batch). In bf16 / fp16
-    on a CPU with AMX, SDPA's grouped-query kernel reads them as they are (`LOW_PRECISION_SDPA`).
-    Otherwise the grouped query heads share their KV head through a broadcast matmul (in fp32
-    0.8-1.0x SDPA's time), softmax in fp32 as eager attention does."""
-    if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:  # `_plain_attention` keeps them out
-        raise NotImplementedError("gqa_attention has no attention sinks or logit soft-capping")
-    S = key.shape[2]
-    if attention_mask is not None:
-        attention_mask = attention_mask[..., :S]
-    if query.dtype != torch.float32 and LOW_PRECISION_SDPA:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             enable_gqa=True)
-        return out.transpose(1, 2), None
-    B, H, T, D = query.shape
-    kvh = key.shape[1]
-    q = query.reshape(B, kvh, (H // kvh) * T, D)  # head h uses KV head h // (H // kvh)
-    scores = (q @ key.transpose(-1, -2)).view(B, H, T, S) * scaling
-    if attention_mask is not None:
-        scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = probs.view(B, kvh, (H // kvh) * T, S) @ value  # values may be narrower than keys (DeepSeek's MLA)
-    return out.view(B, H, T, value.shape[-1]).transpose(1, 2), None
-
-
-def _register_decode_attention() -> str:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, gqa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, eager_mask)
-    return DECODE_ATTENTION
-
-
-def _plain_attention(model) -> bool:
-    """Whether the target's attention is plain scaled dot product (no logit soft-capping or
-    attention sinks, which `gqa_attention` does not implement). Sinks are looked for in the
-    config and on the modules: gpt-oss keeps them as a parameter of each attention layer."""
-    cfg = model.config.get_text_config()
-    if any(getattr(cfg, k, None) for k in ("attn_logit_softcapping", "attention_sink", "sinks")):
-        return False
-    return not any(hasattr(m, "sinks") for m in model.modules())
-
-
 def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSettings, stop_ids: list[int],
                limit: int, stats: GenStats, tick: Callable[[int], None] | None = None) -> list[list[str]]:
     """Answer every user turn of a batch of conversations, turn by turn."""

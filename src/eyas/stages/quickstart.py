@@ -102,7 +102,7 @@ PLANS = {
     # drafter (acc_0 0.49, tree acceptance 2.41, 1.58x plain bf16). The ETA uses the slow day's minutes.
     # Later that day, with the chunked training loss and regeneration batches of 128, on a faster hour
     # (the unchanged capture 1.0 min, not 1.6): 17.4 min (data 4.0, capture 1.0, train 10.3, bench 2.1).
-    # That evening, with the cheaper target table and eyas.hostmem, on the slowest hour (plain decoding
+    # That evening, with the cheaper target table and eyas.cpu.hostmem, on the slowest hour (plain decoding
     # 12.7 tok/s, not 24.3): 23.6 min (data 4.6, capture 1.3, train 14.2, bench 3.6), same data and drafter quality.
     # On a 2-core AVX2 EPYC (fp32, prepacked decoding) that plan took about 50 min (data 10.7,
     # capture 5.0, train 30.3 at 355 tok/s, bench 3.6), so there `small` runs FP32_CPU_SMALL.
@@ -120,7 +120,7 @@ PLANS = {
     # Fresh quickstart with TTT 4, same day: 20.2 min (data 4.9 at 349 tok/s, capture 1.4, train 11.2 for 797
     # steps at 963 tok/s, bench 2.7 of which 0.7 for transformers' generate(), since dropped from its
     # baselines); val acc_0 0.509; own bench tree 1.58x plain bf16 (acceptance 2.14), chain 1.44x (1.86).
-    # Its data stage with bf16 decoding attention through SDPA (regenerate.gqa_attention), same hour,
+    # Its data stage with bf16 decoding attention through SDPA (cpu.attention.gqa_attention), same hour,
     # one after the other: 6.0 -> 4.6 min (regeneration 286 -> 375 tok/s); the ETA scales 6.3 by that.
     # With `deadline` (same day): 17.0 min on a fast hour (train 9.9 of an 11.9-min budget: every step);
     # pinned to one core, about half the speed, 18.4 min (budget 6.4 min: 347 of 785 steps, val acc_0 0.40
