@@ -2,7 +2,8 @@
 (type, default, one-line doc) are its flags, as litgpt does.
 
 - `arg(doc, default, ...)` declares a field and how it appears on the command line.
-- `add_arguments(parser, cls)` adds a config class's flags to an argparse parser.
+- `add_arguments(parser, cls)` adds a config class's flags to an argparse parser;
+  `command(sub, name, cls, run)` adds a whole subcommand that calls `run(config)`.
 - `from_namespace(cls, ns)` builds the config from parsed arguments; `build(cls, **values)` from
   Python (the quickstart calls stages this way, without argv).
 - `to_json(cfg)` is what provenance records.
@@ -128,3 +129,12 @@ def to_json(cfg) -> dict:
             return [plain(x) for x in v]
         return v
     return {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def command(sub, name: str, cls, run, help: str, description: str | None = None, **parser_kw):
+    """Add subcommand `name` to the subparsers `sub`: flags from `cls`, and `run(config)` as its
+    action (the stage function, which Python callers use directly)."""
+    p = sub.add_parser(name, help=help, description=description or help, **parser_kw)
+    add_arguments(p, cls)
+    p.set_defaults(func=lambda args: run(from_namespace(cls, args)))
+    return p

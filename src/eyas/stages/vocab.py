@@ -5,58 +5,67 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from eyas import targets
+from eyas.config import arg, command
 from eyas.core import vocab as core
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
 from eyas.formats import checkpoint as ckpt_io
 from eyas.formats import vocab as fvocab
-from eyas.stages.common import add_json_flag, emit, refuse_out_over_inputs, refuse_symlink_out
+from eyas.stages.common import emit, refuse_out_over_inputs, refuse_symlink_out
 
 DEFAULT_SIZE = 32000
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildConfig:
+    data: list[Path] = arg("prepared data directory (several: their counts are added)")
+    size: int | None = arg(f"draft vocabulary size N (default min({DEFAULT_SIZE}, V))", None)
+    out: Path = arg("output file (vocab.safetensors)")
+    target: str | None = arg("target (default: the one named in the data manifest)", None)
+    force: bool = arg("overwrite --out", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompareConfig:
+    a: Path = arg("vocab file or drafter checkpoint directory", positional=True)
+    b: Path = arg("vocab file or drafter checkpoint directory", positional=True)
+    data: Path | None = arg("prepared data for coverage figures", None)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RemapConfig:
+    drafter: Path = arg("drafter checkpoint directory")
+    to: Path = arg("new vocab file")
+    target: str = arg("the drafter's target")
+    out: Path = arg("output checkpoint directory")
+    force: bool = arg("replace a non-empty --out", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
 
 
 def register(sub) -> None:
     p = sub.add_parser("vocab", help="build, compare or remap a draft vocabulary",
                        description="Draft vocabulary = the N most frequent target ids over supervised tokens.")
     vsub = p.add_subparsers(dest="vocab_command", metavar="ACTION", required=True)
-    b = vsub.add_parser("build", help="top-N supervised token ids -> vocab.safetensors (d2t offsets, t2d)",
-                        description="Count loss-masked tokens of the prepared train split; keep the N most "
-                        "frequent (ties by lower id, padded with the lowest unused ids), sorted ascending.")
-    b.add_argument("--data", type=Path, nargs="+", required=True,
-                   help="prepared data directory (several: their counts are added)")
-    b.add_argument("--size", type=int, default=None, help=f"draft vocabulary size N (default min({DEFAULT_SIZE}, V))")
-    b.add_argument("--out", type=Path, required=True, help="output file (vocab.safetensors)")
-    b.add_argument("--target", default=None, help="target (default: the one named in the data manifest)")
-    b.add_argument("--force", action="store_true", help="overwrite --out")
-    add_json_flag(b)
-    b.set_defaults(func=run_build)
-    c = vsub.add_parser("compare", help="overlap of two vocab files or drafter checkpoints",
-                        description="A and B: vocab files or drafter checkpoint directories. Reports positions "
-                        "where draft id i means the same target id, the target-id overlap, the share of B's "
-                        "draft ids that A can serve after a permutation, and coverage of --data.")
-    c.add_argument("a", type=Path)
-    c.add_argument("b", type=Path)
-    c.add_argument("--data", type=Path, default=None, help="prepared data for coverage figures")
-    add_json_flag(c)
-    c.set_defaults(func=run_compare)
-    r = vsub.add_parser("remap", help="carry a drafter's lm_head rows to another draft vocabulary",
-                        description="Rows of tokens in both vocabularies are carried by target id; rows of new "
-                        "tokens start from the target's lm_head rows when the drafter's hidden size equals "
-                        "the target's, else zero. d2t/t2d and config draft_vocab_size are replaced. A "
-                        "drafter without lm_head (speculators, scoring with the verifier's) gets the target's "
-                        "rows for the new vocabulary, which is what it scored with.")
-    r.add_argument("--drafter", type=Path, required=True, help="drafter checkpoint directory")
-    r.add_argument("--to", type=Path, required=True, help="new vocab file")
-    r.add_argument("--target", required=True, help="the drafter's target")
-    r.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
-    r.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    add_json_flag(r)
-    r.set_defaults(func=run_remap)
+    command(vsub, "build", BuildConfig, run_build, help="top-N supervised token ids -> vocab.safetensors (d2t "
+            "offsets, t2d)", description="Count loss-masked tokens of the prepared train split; keep the N most "
+            "frequent (ties by lower id, padded with the lowest unused ids), sorted ascending.")
+    command(vsub, "compare", CompareConfig, run_compare, help="overlap of two vocab files or drafter checkpoints",
+            description="A and B: vocab files or drafter checkpoint directories. Reports positions where draft id "
+            "i means the same target id, the target-id overlap, the share of B's draft ids that A can serve after "
+            "a permutation, and coverage of --data.")
+    command(vsub, "remap", RemapConfig, run_remap, help="carry a drafter's lm_head rows to another draft vocabulary",
+            description="Rows of tokens in both vocabularies are carried by target id; rows of new tokens start "
+            "from the target's lm_head rows when the drafter's hidden size equals the target's, else zero. d2t/t2d "
+            "and config draft_vocab_size are replaced. A drafter without lm_head (speculators, scoring with the "
+            "verifier's) gets the target's rows for the new vocabulary, which is what it scored with.")
 
 
 # ---------------------------------------------------------------- build
@@ -119,7 +128,7 @@ def build(data: Path | list[Path], size: int | None, out: Path, target: str | No
             ("supervised_tokens", "distinct_tokens", "coverage")}}
 
 
-def run_build(args) -> int:
+def run_build(args: BuildConfig) -> int:
     s = build(args.data, args.size, args.out, args.target, args.force)
     emit(args, s, f"draft vocabulary {s['draft_size']} of {s['target_size']} ids: covers {s['coverage']:.2%} of "
          f"{s['supervised_tokens']} supervised tokens ({s['distinct_tokens']} distinct) -> {s['out']}")
@@ -144,7 +153,7 @@ def compare(a: Path, b: Path, data: Path | None = None) -> dict:
     return {"a": str(a), "b": str(b), **core.compare_maps(va.target_ids, vb.target_ids, counts)}
 
 
-def run_compare(args) -> int:
+def run_compare(args: CompareConfig) -> int:
     s = compare(args.a, args.b, args.data)
     lines = [f"A {s['a']}: {s['size_a']} draft ids", f"B {s['b']}: {s['size_b']} draft ids",
              f"same target id at the same draft position: {s['same_position']} of {min(s['size_a'], s['size_b'])}",
@@ -221,7 +230,7 @@ def _note_vocab(ckpt: Path, vm: fvocab.VocabMap) -> None:
         f.write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def run_remap(args) -> int:
+def run_remap(args: RemapConfig) -> int:
     s = remap(args.drafter, args.to, args.target, args.out, args.force)
     if s["head_added"]:
         msg = (f"the drafter had no lm_head (it scored with the verifier's); wrote the target's {s['rows']} rows "
