@@ -354,3 +354,15 @@ def compact_rows(buf: torch.Tensor, start: int, rows: torch.Tensor, in_place: bo
     if rows.numel() and not in_place:
         src = buf.index_select(-2, rows.to(buf.device) + start)
         buf[..., start:start + rows.numel(), :] = src
+
+
+def accept_length(cond: list[float], depth: int | None = None) -> float:
+    """Expected tokens per verification of a chain of drafts, bonus token included:
+    1 + sum_k prod_{i<=k} cond_i, with cond_i the conditional acceptance of draft i given drafts
+    < i accepted (so the product is the share of steps whose first k+1 drafts are all accepted).
+    `depth` keeps the first `depth` drafts (a shorter chain)."""
+    al, prod = 1.0, 1.0
+    for c in cond[:depth]:
+        prod *= c
+        al += prod
+    return al

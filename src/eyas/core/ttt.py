@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas.core.drafter import Eagle3Drafter
+from eyas.core.speculative import accept_length
+
 STEP_WEIGHT = 0.8  # loss weight of step i is 0.8**i (EAGLE-3, SpecForge; speculators 0.9 defaults to 1.0)
 
 
@@ -478,11 +481,7 @@ def metrics(stats: StepStats) -> dict:
     acc = (stats.correct / stats.valid.clamp(min=1)).tolist()
     cacc = (stats.chain_correct / stats.chain_n.clamp(min=1)).tolist()
     step_loss = (stats.loss_sum / stats.loss_n.clamp(min=1)).tolist()
-    al, prod = 1.0, 1.0
-    for c in cacc:
-        prod *= c
-        al += prod
-    out = {"loss": sum(STEP_WEIGHT ** i * step_loss[i] for i in range(K)), "accept_len": al}
+    out = {"loss": sum(STEP_WEIGHT ** i * step_loss[i] for i in range(K)), "accept_len": accept_length(cacc)}
     out.update({f"acc_{i}": acc[i] for i in range(K)})
     out.update({f"cacc_{i}": cacc[i] for i in range(K)})
     out.update({f"loss_{i}": step_loss[i] for i in range(K)})
