@@ -168,10 +168,11 @@ def load_any(path: Path) -> VocabMap:
     return load_vocab(path)
 
 
-def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> None:
+def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Tensor], vm: VocabMap) -> None:
     """Copy checkpoint `src` to `out` (a fresh directory) replacing `d2t`, `t2d`,
-    `lm_head.weight` in the weights file (or shard) that holds each (added where none does), and
-    `draft_vocab_size` in its config.json (and the shards' index). One shard in memory at a time."""
+    `lm_head.weight` in the weights file (or shard) that holds each (added where none does),
+    `draft_vocab_size` in its config.json (and the shards' index), and the vocabulary recorded in
+    its eyas.json when it has one (`vm`: the new vocabulary). One shard in memory at a time."""
     from safetensors.torch import save_file
 
     src, out = Path(src), Path(out)
@@ -205,3 +206,9 @@ def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Ten
         cfg = json.loads(cfg_file.read_text())
         cfg["draft_vocab_size"] = int(tensors["d2t"].numel())
         cfg_file.write_text(json.dumps(cfg, indent=2) + "\n")
+    meta_file = out / "eyas.json"
+    if meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        meta["vocab_fingerprint"] = vocab_fingerprint(vm.d2t, vm.target_size)
+        meta["draft_vocab_size"] = vm.draft_size
+        meta_file.write_text(json.dumps(meta, indent=2) + "\n")

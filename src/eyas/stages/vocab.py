@@ -3,7 +3,6 @@ between two vocabularies or drafters, and carrying a drafter's lm_head to a new 
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,8 +209,7 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     fvocab.write_remapped_checkpoint(drafter, tmp, {"d2t": new.d2t, "t2d": new.t2d,
-                                                    "lm_head.weight": weight.to(w.dtype)})
-    _note_vocab(tmp, new)
+                                                    "lm_head.weight": weight.to(w.dtype)}, new)
     ckpt_io.share(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -220,14 +218,6 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
             "head_added": headless}
 
 
-def _note_vocab(ckpt: Path, vm: fvocab.VocabMap) -> None:
-    """Keep eyas.json's vocabulary fingerprint in step with the new tensors, when present."""
-    f = ckpt / "eyas.json"
-    if f.is_file():
-        meta = json.loads(f.read_text())
-        meta["vocab_fingerprint"] = fvocab.vocab_fingerprint(vm.d2t, vm.target_size)
-        meta["draft_vocab_size"] = vm.draft_size
-        f.write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def run_remap(args: RemapConfig) -> int:
