@@ -63,120 +63,24 @@ class Plan:
     fp32_cpu: Plan | None = None
 
 
-# `small` where every stage runs in fp32 on a CPU without native bf16, sized to finish within 20
-# minutes on a 2-core AVX2 EPYC: about half the prompts (48k supervised tokens, 3,263 distinct: a 4k
-# draft vocabulary covers them all and halves the head's share of a step), shorter bench answers,
-# and the training spent on optimizer steps rather than depth. Measured there on this plan's
-# capture, ~7 min of training each (val of its eval split): 2048-token batches, 3 epochs, TTT 5:
-# 122 steps, acc_0 0.29, simulated acceptance 1.41 (bench: chain 0.88x, tree 0.84x plain);
-# 1024, 3 epochs, TTT 5: 240 steps, 0.35 / 1.60; 1024, 5 epochs, TTT 3: 400 steps, 0.43 / 1.76;
-# 512, 5 epochs, TTT 3: 855 steps in 434 s, 0.44 / 1.80 (this plan).
-# Tried on this plan since, none better on MT-bench + MBPP (`bench/RESULTS.md`, "data and training choices"): 46k
-# tokens of answers not written by the target, half real public prompts, TTT 2 x 7 epochs, 256-token
-# batches, weight decay 0.1, learning rate 5e-4 or 2e-3 instead of 1e-3. Validation at these tokens
-# (2026-12-04): 256-token batches again, a loss on prompt positions too, feature noise: within 1.2%;
-# the draft head frozen at the target's rows: 2% worse.
-# Muon instead of AdamW (2026-12-04, the train stage of a fresh run of this plan rerun on its capture with the
-# 8.4-min --time-budget that run gave it): 512-token batches 575 of 855 steps, val simulated acceptance
-# 1.867 (acc_0 0.465) against AdamW's 1.798 (0.443) in all 855; 1024-token batches 394 of 400 steps, 1.882.
-# Served on the 17 held-out prompts (48 tokens, cutoff 0, one run): chain / tree acceptance 1.96 / 2.47 (512),
-# 1.96 / 2.40 (1024) against 1.89 / 2.39; on MT-bench + MBPP all three level (1.48-1.49 / 1.84-1.86).
+# `small` where every stage runs in fp32 on a CPU without native bf16 (how it was sized:
+# docs/results/quickstart-plans.md)
 FP32_CPU_SMALL = Plan(prompts=360, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=4096,
                       train_epochs=5, train_max_steps=1500, ttt=3, batch_tokens=512, bench_prompts=10,
-                      bench_new_tokens=48, minutes=(0.2, 5.2, 0.1, 2.6, 8.6, 2.7),  # 2026-12-01: 19.2 min
+                      bench_new_tokens=48, minutes=(0.2, 5.2, 0.1, 2.6, 8.6, 2.7),
                       deadline=19.5, optimizer="muon")
 
 PLANS = {
-    # small, measured on this 2-core CPU (bf16, quiet machine): 200 prompts x 128 tokens, 3 epochs
-    # TTT 3 took 5.3 min in all but trained only 51 s (tree acceptance 1.63). 440 prompts x 160
-    # tokens, 6 epochs TTT 5 took 19.4 min (data 8.3, capture 0.7, train 9.1, bench 1.2; tree
-    # acceptance 2.00); 5 epochs keep a margin under 20 minutes. With the length-windowed batch
-    # plan (less padding, fewer steps per epoch) 5 epochs at 4096 batch tokens gave 110 steps and
-    # tree acceptance 1.71 in 15.6 min; 2048 batch tokens: 215 steps in the same 5.6 min of
-    # training, tree acceptance 1.87 (about 15.7 min in all). With eyas's own batched regeneration
-    # (4.4x generate()'s tokens/s) 700 prompts took 14.4 min (data 4.1, capture 1.4, train 7.7 for
-    # 345 steps, bench 1.2); tree acceptance 2.09, 1.19x plain.
-    # 2026-12-01, on a slower day for the same kind of VM (transformers' generate() at half the
-    # speed): 24.1 min (data 7.0, capture 1.1, train 12.9 for 395 steps, bench 2.6); with the
-    # regeneration's prefill fix 23.3 min (data 6.3, capture 1.6, train 12.8, bench 2.6), the same
-    # drafter (acc_0 0.49, tree acceptance 2.41, 1.58x plain bf16). The ETA uses the slow day's minutes.
-    # Later that day, with the chunked training loss and regeneration batches of 128, on a faster hour
-    # (the unchanged capture 1.0 min, not 1.6): 17.4 min (data 4.0, capture 1.0, train 10.3, bench 2.1).
-    # That evening, with the cheaper target table and eyas.cpu.hostmem, on the slowest hour (plain decoding
-    # 12.7 tok/s, not 24.3): 23.6 min (data 4.6, capture 1.3, train 14.2, bench 3.6), same data and drafter quality.
-    # On a 2-core AVX2 EPYC (fp32, prepacked decoding) that plan took about 50 min (data 10.7,
-    # capture 5.0, train 30.3 at 355 tok/s, bench 3.6), so there `small` runs FP32_CPU_SMALL.
-    # Batch size, same capture and 5 epochs (2026-12-01 late evening, runs two at a time, one thread
-    # each; val of the eval split): 2048 tokens, 400 steps, simulated acceptance 2.036 (seed 1: 2.055)
-    # in 19.6 min; 1024, 797 steps, 2.121 in 19.3 min (this plan: the same tokens/s); 512, 1,688 steps,
-    # 2.187 in 21.4 min (about 10% fewer tokens/s); 2048 for 7 epochs, 560 steps, 2.176 in 25.0 min.
-    # The whole quickstart with it (and the bench's bf16 cutoff 0.05), fresh: 21.8 min (data 4.5, capture
-    # 1.2, train 13.6 for 797 steps, bench 2.5), val 2.096, own bench tree 1.61x plain bf16.
-    # 2026-12-02, to bring the default under 20 minutes on middling hours: TTT 4 instead of 5 (training
-    # about 15% shorter; its steps 1.06x faster since that day's head + loss change) against 4 epochs
-    # instead of 5 (about 20% shorter), both on that run's capture, one thread each, served in one process
-    # (tree 4,5,16 at the bench's 0.05 cutoff; 20 MT-bench + MBPP / the 10 held-out built-in prompts):
-    # TTT 5 x 5 epochs acceptance 1.86 / 2.26, TTT 4 x 5 epochs 1.84 / 2.16, TTT 5 x 4 epochs 1.78 / 2.09.
-    # Fresh quickstart with TTT 4, same day: 20.2 min (data 4.9 at 349 tok/s, capture 1.4, train 11.2 for 797
-    # steps at 963 tok/s, bench 2.7 of which 0.7 for transformers' generate(), since dropped from its
-    # baselines); val acc_0 0.509; own bench tree 1.58x plain bf16 (acceptance 2.14), chain 1.44x (1.86).
-    # Its data stage with bf16 decoding attention through SDPA (cpu.attention.gqa_attention), same hour,
-    # one after the other: 6.0 -> 4.6 min (regeneration 286 -> 375 tok/s); the ETA scales 6.3 by that.
-    # With `deadline` (same day): 17.0 min on a fast hour (train 9.9 of an 11.9-min budget: every step);
-    # pinned to one core, about half the speed, 18.4 min (budget 6.4 min: 347 of 785 steps, val acc_0 0.40
-    # instead of 0.48), where it would have taken about 26.
-    # Muon instead of AdamW (2026-12-04, this plan's train argv on one capture, all 795 steps each): val
-    # simulated acceptance 2.37 vs 2.10 on a 2-core Zen 4 CPU (bf16 Newton-Schulz: steps about 1.25x
-    # longer), 2.36 vs 2.12 on an H200 (58 vs 46 s; Muon at step 400 ahead of AdamW at 600). Served in
-    # one `eyas bench` (bf16, cutoff 0.05), Muon vs AdamW: the held-out built-in prompts tree 4,5,16
-    # acceptance 2.52 vs 2.28 (1.73x vs 1.60x plain), chain 2.17 vs 1.97; MT-bench + MBPP tree 1.81 vs 1.74.
+    # how each plan was measured and chosen: docs/results/quickstart-plans.md
     "small": Plan(prompts=700, answer_tokens=160, eval_fraction=0.04, max_len=640, draft_vocab=8192,
                   train_epochs=5, train_max_steps=1600, ttt=4, batch_tokens=1024, bench_prompts=10,
                   bench_new_tokens=64, minutes=(0.2, 4.8, 0.1, 1.6, 11.6, 2.4), fp32_cpu=FP32_CPU_SMALL,
                   deadline=19.5, optimizer="muon"),
-    # medium: both built-in sets, the generated prompts and the 2,474 public ones (MIT / Apache-2.0,
-    # eyas/data/PUBLIC_PROMPTS.md), all answered by the target, 3 epochs in one cosine schedule at
-    # 4096-token batches. Measured: 78.7 min (data 31.5, capture 7.0, train 36.1 for 741 steps, bench
-    # 4.1); val acc_0 0.52; tree 6,6,24 acceptance 3.25 on its (code-only) eval prompts, but 2.30-2.41
-    # on MT-bench + MBPP (MT-bench half 1.93, MBPP half 2.78 at 4,5,16). Earlier drafters reached 2.75-2.94
-    # there, but their data held 70 other MT-bench questions and 767 other MBPP tasks: they lead on
-    # the MBPP half (3.85-4.15) far more than on the MT-bench half (2.11-2.23). 2,000 extra chat prompts
-    # written by the target itself (`--self-prompts`, 2 epochs over both at the same step count) left
-    # the MT-bench half unchanged (1.92). The bench's wider tree (6,6,24) reports the higher
-    # acceptance; it is not the faster one for this drafter (MT-bench + MBPP: 1.24x vs 1.34x at 4,5,16).
-    # 2048-token batches instead of 4096 (same data, same 3 epochs, 1,432 steps instead of 738):
-    # training 30 min instead of 36 (1,360 vs 1,130 tok/s), val simulated acceptance 2.31 vs 2.21,
-    # MT-bench + MBPP tree 4,5,16 2.34 vs 2.30, chain 1.84 vs 1.78 (`bench/RESULTS.md`).
-    # With --aux-gain rms (2026-11-30, data/vocab/capture reused): train 31.8 min, val simulated
-    # acceptance 2.54 (acc_0 0.59); its own bench tree 6,6,24 2.70 (1.35x); MT-bench + MBPP tree
-    # 4,5,16 2.53 (1.52x plain bf16), chain 1.89 (1.35x), prompt lookup 1.23x. In all about 75 min.
-    # 1024-token batches instead of 2048 (2026-12-02, fresh data/vocab/capture of this plan, both trained
-    # side by side at one thread each, 2,855 vs 1,432 steps): val simulated acceptance 2.69 vs 2.60 (acc_0
-    # 0.626 vs 0.602; level until a quarter of training, the lead grows after); `eyas bench` on MT-bench +
-    # MBPP (bf16, tree 4,5,16, cutoff 0.05): acceptance tree 2.39 vs 2.27, chain 1.97 vs 1.92; speedup
-    # over plain 1.76x both in separate runs, 1.88x vs 1.72x paired prompt by prompt in one process.
-    # Data ETA 24 min: 31.5 less the ~8 min the SDPA decoding attention and bounded batches saved on its
-    # last two regeneration batches (721 -> 247 s, same day); the whole stage not rerun.
-    # Muon instead of AdamW (2026-12-04, a 2-core Zen 4 CPU: this plan's fresh capture, its train argv twice side
-    # by side, one thread each, --time-budget 40 both): Muon 1,296 steps, val simulated acceptance 2.568 (acc_0
-    # 0.604) vs AdamW 1,600 steps 2.298 (0.545); Muon ahead at every evaluation, at equal steps (600: 2.19 vs
-    # 1.85) and at equal time. Served in one `eyas bench` on 10 MT-bench + 10 MBPP (fp32, cutoff 0.1, 96 tokens):
-    # tree 4,5,16 acceptance 1.80 vs 1.71 (1.54x vs 1.50x plain), chain 1.64 vs 1.57.
-    # The whole plan end to end with Muon (2026-12-05, that Zen 4 CPU, fresh directory, nothing else running):
-    # 101.7 min (data 26.8, vocab 0.0, capture 14.2, train 56.0 for all 2,862 steps, bench 4.7), peak RSS 9.6 GB;
-    # val simulated acceptance 3.00 (acc_0 0.683). Own bench (20 held-out prompts, fp32, cutoff 0.1): tree 4,5,16
-    # 1.87x plain (acceptance 2.31), chain 1.77x, prompt lookup 1.15x. MT-bench (2 per category) + MBPP, fp32:
-    # tree 1.78x (2.20), chain 1.63x; tree 8,7,48 at cutoff 0: acceptance 3.16 at 0.91x. `minutes` are that run's,
-    # but the bench's: that argv with tree+lookup added (the bench's third method since) took 5.5 min there.
-    # Again with Muon's 3-step iteration (2026-12-05, stop 54, the same CPU on a faster hour: regeneration 650
-    # tok/s, capture 2.8x faster with no change to it): 68.8 min (data 15.2, capture 5.1, train 43.1 for 2,853
-    # steps at 953 tok/s, bench 5.4), val 3.05 (acc_0 0.690). `minutes` keep the slower run's figures.
     "medium": Plan(prompts=4000, answer_tokens=192, eval_fraction=0.04, max_len=1024, draft_vocab=8192,
                    train_epochs=3, train_max_steps=5000, ttt=5, batch_tokens=1024, bench_prompts=20,
                    bench_new_tokens=128, minutes=(0.2, 27, 0.1, 14, 56, 5.5), inputs=("builtin-public", "builtin"),
                    tree="6,6,24", optimizer="muon"),
-    # large: sized for a GPU, where Muon's step costs milliseconds (5.5 ms for SmolLM2's drafter on an H200,
-    # against steps of 8192 tokens) and trained the small plan's drafter better in less time (above)
+    # large: sized for a GPU, where Muon's step costs milliseconds
     "large": Plan(prompts=4000, answer_tokens=256, eval_fraction=0.04, max_len=1024, draft_vocab=32000,
                   train_epochs=6, train_max_steps=10000, ttt=7, batch_tokens=8192, bench_prompts=40,
                   bench_new_tokens=128, minutes=(0.2, 45, 0.5, 10, 120, 25), inputs=("builtin-public", "builtin"),
@@ -185,8 +89,7 @@ PLANS = {
 
 STAGES = ("target", "data", "vocab", "capture", "train", "bench")
 # ETA factors per stage (data, vocab, capture, train, bench) for the plans' bf16/AMX minutes when
-# the stages run in fp32 on a CPU without native bf16: the small plan on a 2-core AVX2 EPYC
-# (2026-11-30; data and bench with prepacked weights): data 10.7, capture 5.0, train 30.3, bench 3.6 min
+# the stages run in fp32 on a CPU without native bf16 (measured: docs/results/quickstart-plans.md)
 FP32_CPU_SLOWDOWN = (2.6, 1.0, 3.6, 3.9, 3.0)
 
 # The per-stage argv, in one table: {placeholders} are filled from the plan and from the
@@ -213,8 +116,8 @@ ARGV: dict[str, list[str]] = {
               "--methods", DEFAULT_METHODS,
               "--device", "{device}", "--dtype", "{bench_dtype}", "--out", "{out}", "--force"],
     # the cutoff and methods explicit: a changed default reruns the stage. Baselines plain and prompt lookup only:
-    # transformers' generate() (`eyas bench`'s third default) took 40 of the small plan's 163 bench seconds
-    # (2026-12-02) and is never the fastest plain decoding here (0.88-0.92x eyas's plain loop)
+    # transformers' generate() costs a quarter of the bench and is never the fastest plain decoding
+    # (docs/results/quickstart-plans.md)
 }
 
 
@@ -222,12 +125,8 @@ def register(sub) -> None:
     p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: about 20 min on 2 CPU cores (700 generated prompts with native bf16; where the stages "
-                   "run in fp32 on a CPU, a plan sized for that: 360 prompts): training gets what is left of 19.5 "
-                   "min after the stages before it and the bench's estimate (at least 2 min), so a slow hour "
-                   "trains fewer steps; "
-                   "medium: ~100 min on a 2-core bf16 CPU (3,600 generated + public prompts, 3 epochs); large: the "
-                   "same prompts, longer answers, 32k vocab, TTT 7, sized for a GPU")
+                   help="small: a trained drafter within a 19.5-minute deadline on a CPU; medium: about 4,000 "
+                   "prompts, 3 epochs; large: sized for a GPU (docs/usage.md describes the plans)")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
     p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
     p.add_argument("--device", default="auto", help="where every stage runs: cpu, cuda, cuda:N or auto (cuda when "
@@ -284,9 +183,7 @@ def run_stage_cli(argv: list[str], quiet: bool) -> int:
 # wide batch in about the time of a narrow one
 REGEN_BATCH = {"cpu": data_stage.REGEN_BATCH, "cuda": 256}
 # The bench tree where the bench decodes in fp32 on a CPU, instead of a plan's wider one: there a 24-token
-# verification costs about 1.8x a 1-token one. The GPU-trained medium drafter on its 20 held-out
-# prompts (AVX2 EPYC, 2026-11-30, two runs in a row): tree 4,5,16 1.17x plain (acceptance 2.53),
-# 6,6,24 1.05x (2.71); chain 1.22x / 1.20x. On an H200 a 24-token forward cost 1.07x a 1-token one.
+# verification costs about twice a 1-token one (docs/results/quickstart-plans.md)
 FP32_CPU_TREE = "4,5,16"
 
 
