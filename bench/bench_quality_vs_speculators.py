@@ -86,7 +86,7 @@ def train_eyas(a) -> dict:
 
 def train_plan(a, epochs: int):
     """The captures' train split and the batches `eyas train` takes from it (seed 0), all epochs."""
-    from eyas.core.batching import plan_batches, shape_length
+    from eyas.core.batching import plan_train_batches, shape_length
     from eyas.formats.capture import CaptureReader
     from eyas.formats.features import CaptureSplit, TensorSource
 
@@ -94,7 +94,7 @@ def train_plan(a, epochs: int):
     src = TensorSource({"train": CaptureSplit(readers, "train")}, a.max_len)
     lengths = src.lengths("train")
     shapes = [shape_length(n) for n in lengths]  # `eyas train` plans on padded shapes
-    epoch_plans = [plan_batches(shapes, a.batch_tokens, 0, e) for e in range(epochs)]
+    epoch_plans = [plan_train_batches(shapes, a.batch_tokens, 0, e) for e in range(epochs)]
     total = len(epoch_plans[0]) * epochs  # as Trainer.total: epoch 0's batch count x epochs
     if a.max_steps is not None:
         total = min(total, a.max_steps)

@@ -289,7 +289,7 @@ def test_self_prompts_are_written_by_the_target_answered_and_resumable(tiny_targ
 def test_plan_batches_bounds_rows_and_padded_tokens():
     """Regeneration batches: by length, at most batch_size rows, rows x longest prompt within
     batch_size x row_tokens (a prompt longer than that alone), every prompt exactly once."""
-    from eyas.regenerate import plan_batches
+    from eyas.core.batching import plan_generation_batches as plan_batches
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 90, (300,), generator=g).tolist() + [300, 150, 2000, 700, 120]

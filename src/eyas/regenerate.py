@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.core.batching import plan_generation_batches
 from eyas.cpu.attention import plain_attention, register_decode_attention
 from eyas.errors import EyasError
 from eyas.formats.prompts import Conversation, dedup_key
@@ -248,25 +249,6 @@ def _too_long(tokenizer, history: list[dict], max_new_tokens: int, limit: int) -
     return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + max_new_tokens > limit
 
 
-ROW_TOKENS = 256  # a batch of B rows holds at most B x 256 prompt tokens, padding included
-
-
-def plan_batches(lengths: list[int], batch_size: int, row_tokens: int = ROW_TOKENS) -> list[list[int]]:
-    """Indices of `lengths` in order of length, cut into batches of at most `batch_size` rows
-    whose rows x longest prompt stays within batch_size x row_tokens (a longer prompt alone),
-    so the long tail of a prompt set does not pay a full batch's padding and prefill for its
-    longest prompt. Measured on the 128 longest medium prompts (171-840 tokens, bf16, 96 new
-    tokens): one batch 170 s, batches within 128 x 256 tokens 117 s, 128 x 128 101 s."""
-    cap = batch_size * row_tokens
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        if batches and len(batches[-1]) < batch_size and (len(batches[-1]) + 1) * lengths[i] <= cap:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
 def opening_tokens(tokenizer, conv: Conversation) -> int:
     """Prompt tokens of a conversation's first generation step (its turns up to the first user turn)."""
     turns = prompt_turns(conv)
@@ -288,7 +270,7 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     limit = targets.max_positions(model.config)
     # Batches of similar prompt length: a left-padded batch pays for its longest prompt in every
     # row. Answers go back to input order below.
-    batches = plan_batches([opening_tokens(tokenizer, c) for c in convs], settings.batch_size)
+    batches = plan_generation_batches([opening_tokens(tokenizer, c) for c in convs], settings.batch_size)
     n_batches = len(batches)
     # Progress in answer tokens against the budget (max_new_tokens per user turn): each step ticks
     # the tokens it wrote, each finished batch tops the bar up to its whole budget (answers that

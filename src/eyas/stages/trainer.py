@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -25,7 +24,7 @@ from torch import nn
 
 from eyas.config import to_json
 from eyas.core import ttt
-from eyas.core.batching import plan_batches, shape_length
+from eyas.core.batching import plan_train_batches, shape_length
 from eyas.core.distributed import Dist
 from eyas.core.drafter import Eagle3Drafter
 from eyas.core.optim import lr_lambda, make_optimizer
@@ -113,7 +112,7 @@ class Trainer:
         self.train_lengths = [shape_length(n) for n in source.lengths("train")]
         self.eval_lengths = [shape_length(n) for n in source.lengths("eval")]
         self.train_data = split_fingerprint(source)  # saved with each checkpoint, checked on --resume
-        per_epoch = len(plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, 0, self.dist.world))
+        per_epoch = len(plan_train_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, 0, self.dist.world))
         total = per_epoch * cfg.epochs
         self.total = min(total, cfg.max_steps) if cfg.max_steps is not None else total
         # seconds of training so far (kept across --resume) and the share of --time-budget they are
@@ -196,7 +195,7 @@ class Trainer:
     def evaluate(self) -> dict:
         self.drafter.eval()
         total = None
-        plan = plan_batches(self.eval_lengths, self.cfg.batch_tokens, 0, 0, self.dist.world, shuffle=False)
+        plan = plan_train_batches(self.eval_lengths, self.cfg.batch_tokens, 0, 0, self.dist.world, shuffle=False)
         for idxs in plan:
             mine = idxs[self.dist.rank::self.dist.world]
             aux, ids, table = self._prepare(self.source.batch("eval", mine))
@@ -220,7 +219,7 @@ class Trainer:
         self._clock = (t0, self.train_seconds)  # train_seconds = seconds at start + time since (_tick)
         try:
             while self.step < self.total and self.epoch < cfg.epochs and not self.stopped_by_time:
-                plan = plan_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, self.epoch, self.dist.world)
+                plan = plan_train_batches(self.train_lengths, cfg.batch_tokens, cfg.seed, self.epoch, self.dist.world)
                 while self.batch_in_epoch < len(plan) and self.step < self.total:
                     self._tick()
                     if self.budget_s and self._out_of_time():
