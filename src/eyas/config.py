@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
             if f.metadata.get("metavar"):
                 kw["metavar"] = f.metadata["metavar"]
         required = f.default is MISSING and f.default_factory is MISSING
+        if f.default is not MISSING and base is not bool:
+            kw["default"] = f.default
         target = parser
         if f.metadata.get("group"):
             name = f.metadata["group"]
