@@ -48,6 +48,8 @@ class CaptureConfig:
     force: bool = False
     device: str = "cpu"
     format: str = "eyas"
+    engine: str = "eyas"
+    engine_args: object = None  # serve.vllm_jobs.EngineArgs with --engine vllm
 
 
 # ---------------------------------------------------------------- CLI
@@ -76,6 +78,17 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--format", default="eyas", choices=("eyas", "speculators"),
                    help="speculators: also write the speculators offline layout under OUT/speculators")
+    p.add_argument("--engine", default="eyas", choices=("eyas", "vllm"),
+                   help="who runs the target: eyas (transformers in this process; default) or vllm (`pip install "
+                   "vllm`: its extract_hidden_states method with eyas's KV connector, tensor / pipeline parallel, "
+                   "for targets that need several GPUs). Same shards, manifest and layer ids; with vllm the final "
+                   "norm and the argmax are applied by eyas from the checkpoint's weights, on --device")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --engine vllm: vLLM's "
+                   "tensor_parallel_size (default 1)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="with --engine vllm: vLLM's "
+                   "pipeline_parallel_size (default 1)")
+    p.add_argument("--vllm-args", default=None, metavar="JSON", help="with --engine vllm: other vllm.LLM keywords "
+                   "as a JSON object, e.g. '{\"enforce_eager\": true}'")
     add_json_flag(p)
     p.set_defaults(func=run_capture)
     csub = p.add_subparsers(dest="capture_command", metavar="ACTION")
@@ -123,8 +136,22 @@ def _config(args) -> CaptureConfig:
     if args.batch_tokens < 1:
         raise EyasError(f"--batch-tokens {args.batch_tokens}: must be positive, e.g. 4096")
     check_shard_mb(args.shard_mb)
+    engine = getattr(args, "engine", "eyas")
+    engine_args = None
+    if engine == "vllm":
+        from eyas.serve.vllm_jobs import parse_engine_args
+
+        engine_args = parse_engine_args(args.dtype, args.tensor_parallel_size, args.pipeline_parallel_size,
+                                        args.vllm_args)
+    else:
+        given = [f for f, v in (("--tensor-parallel-size", getattr(args, "tensor_parallel_size", 1) != 1),
+                                ("--pipeline-parallel-size", getattr(args, "pipeline_parallel_size", 1) != 1),
+                                ("--vllm-args", getattr(args, "vllm_args", None))) if v]
+        if given:
+            raise EyasError(f"{given[0]} only applies to --engine vllm; add --engine vllm or drop {given[0]}")
     return CaptureConfig(args.target, args.data, args.out, args.layers, args.dtype, args.batch_tokens,
-                         args.shard_mb, args.shard_index, args.num_shards, args.force, args.device, args.format)
+                         args.shard_mb, args.shard_index, args.num_shards, args.force, args.device, args.format,
+                         engine, engine_args)
 
 
 def run_capture(args) -> int:
@@ -391,8 +418,39 @@ def capture(cfg: CaptureConfig) -> dict:
     if bad is not None:
         raise EyasError(f"--data {cfg.data}: sample {bad.id} holds token ids outside 0..{V - 1}; "
                         "it was prepared for another tokenizer: prepare it for this target")
+    if cfg.engine == "vllm":
+        return capture_with_vllm(path, records, common, cfg)
     model, _ = targets.load(path, dtype=cfg.dtype, device=str(device))
     return capture_records(model, records, common, cfg, device)
+
+
+def capture_with_vllm(path: Path, records: list, common: dict, cfg: CaptureConfig) -> dict:
+    """`eyas capture --engine vllm`: the same plan, disk estimate, shards and manifest as
+    `capture_records`, the states from vLLM (`serve.vllm_capture`, in a child process); the
+    target is never loaded here."""
+    from eyas.serve import vllm_capture, vllm_engine
+
+    vllm_engine.require()
+    speculators = cfg.format == "speculators"
+    common = {**common, "engine": "vllm", fcap.ARGMAX_KEY: True}  # joins the plan id: engines never mix in one capture
+    lengths = [len(r.input_ids) for r in records]
+    bpt = fcap.bytes_per_token(common["hidden_size"], len(common["layer_ids"]), targets.parse_dtype(common["dtype"]))
+    shards = plan_shards(lengths, bpt, int(cfg.shard_mb * 1_000_000))
+    pid = plan_id(common, shards)
+    mine = [k for k in range(len(shards)) if k % cfg.num_shards == cfg.shard_index]
+    need = sum(lengths[i] for k in mine for i in shards[k]) * bpt * (2 if speculators else 1)
+    check_disk(cfg.out, need, cfg.force)
+    prepare_out(cfg.out, pid, cfg.force)
+    counts = vllm_capture.capture_shards(path, cfg.data, cfg.out, common["layer_ids"], common["num_layers"],
+                                         common["dtype"], shards, mine, speculators, cfg.device, cfg.engine_args)
+    shutil.rmtree(cfg.out / vllm_capture.SPOOL, ignore_errors=True)
+    part = {"index": cfg.shard_index, "count": cfg.num_shards} if cfg.num_shards > 1 else None
+    m = build_manifest(common, pid, records, shards, mine, cfg.out, part)
+    spec_dir = cfg.out / "speculators" if speculators else None
+    config = {k: str(v) for k, v in asdict(cfg).items()}
+    finish(cfg.out, m, records, spec_dir, {"config": config, **provenance()})
+    return {"out": str(cfg.out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(mine),
+            "bytes_per_token": bpt, "layer_ids": common["layer_ids"], "part": part, "engine": "vllm", **counts}
 
 
 def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: CaptureConfig,

@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 # (bf16, 2 threads, 2026-12-01, 8 rounds over three runs on a noisy VM): median 394 vs 444 tok/s
 # (1.13x; 128 ahead in 6 of 8 rounds). 256 on 256 prompts: 1.06x over 128, for twice the KV cache.
 REGEN_BATCH = 128
+ENGINES = ("eyas", "vllm")
+# The engine `--regenerate` uses unless told: eyas's own loop. It needs no engine start (50-65 s for vLLM
+# on the 2-core CPU), and the one comparison so far (`bench/bench_vllm_regenerate_capture.py`, 2026-12-07)
+# ran on a machine kept at load 7-9 by other jobs, which slowed eyas's in-process loop far more than vLLM's
+# worker (see docs/scale.md): not clean enough to change the default.
+DEFAULT_ENGINE = "eyas"
 
 EPILOG = """\
 input schemas (auto-detected per record; .json arrays, .jsonl, .txt, each optionally .gz;
@@ -99,6 +105,18 @@ def register(sub) -> None:
     q.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or auto (the machine's fast one: bf16 on "
                    "CUDA and AMX / AVX512-BF16 CPUs, else fp32) (default fp32)")
     q.add_argument("--force", action="store_true", help="replace an existing --out")
+    q.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
+                   help="with --regenerate: who runs the target. eyas = its own batched loop in this process "
+                   "(any target one device holds); vllm = vLLM (`pip install vllm`), with its tensor / pipeline "
+                   "parallelism and continuous batching, for targets that need several GPUs or nodes. Same "
+                   "output files, loss masks and resumability (default %(default)s)")
+    q.add_argument("--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs each layer is "
+                   "sharded over (vLLM's tensor_parallel_size; default 1)")
+    q.add_argument("--pipeline-parallel-size", type=int, default=1, help="with --engine vllm: pipeline stages "
+                   "(vLLM's pipeline_parallel_size; x tensor parallel = GPUs used; default 1)")
+    q.add_argument("--vllm-args", default=None, metavar="JSON", help="with --engine vllm: other vllm.LLM "
+                   "keywords as a JSON object, e.g. '{\"distributed_executor_backend\": \"ray\"}' for several "
+                   "nodes or '{\"enforce_eager\": true}'")
     add_json_flag(q)
     q.set_defaults(func=run_prepare)
 
@@ -138,6 +156,7 @@ def _check_args(args) -> None:
         raise EyasError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
     targets.parse_dtype(args.dtype)
     targets.parse_device(args.device)
+    _check_engine_args(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise EyasError(f"--out {out} is a file; prepared data is a directory: choose another path")
@@ -146,6 +165,30 @@ def _check_args(args) -> None:
     refuse_out_over_inputs(out, {"--input": args.input, "--exclude": args.exclude,
                                  "--target": targets.local_dir(args.target)})
     refuse_symlink_out(out)
+
+
+def _check_engine_args(args) -> None:
+    vllm_flags = {"--tensor-parallel-size": args.tensor_parallel_size != 1,
+                  "--pipeline-parallel-size": args.pipeline_parallel_size != 1, "--vllm-args": args.vllm_args}
+    if args.engine != "vllm":
+        given = [k for k, v in vllm_flags.items() if v]
+        if given:
+            raise EyasError(f"{given[0]} only applies to --engine vllm; add --engine vllm or drop {given[0]}")
+        return
+    from eyas.serve import vllm_engine
+    from eyas.serve.vllm_jobs import parse_engine_args
+
+    if not args.regenerate:
+        raise EyasError("--engine vllm only applies to --regenerate (without it no model runs); add --regenerate")
+    if args.self_prompts:
+        raise EyasError(f"--self-prompts {args.self_prompts}: the target writes prompts with --engine eyas only; "
+                        "drop --self-prompts or use --engine eyas")
+    if args.device != "cpu":
+        raise EyasError(f"--device {args.device}: with --engine vllm, vLLM picks its devices (CUDA GPUs, else the "
+                        "CPU); drop --device")
+    args.engine_args = parse_engine_args(args.dtype, args.tensor_parallel_size, args.pipeline_parallel_size,
+                                         args.vllm_args)
+    vllm_engine.require()
 
 
 def _load_tokenizer(path: Path):
@@ -205,6 +248,9 @@ def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: 
                 drops: Counter) -> tuple[list[Conversation], dict]:
     from eyas.regenerate import GenSettings, regenerate
 
+    if args.engine == "vllm":
+        return _regenerate_vllm(args, path, convs, drops)
+
     model, tok = targets.load(path, dtype=args.dtype, device=args.device)
     packed = targets.prepack_for_decoding(model)  # fp32 CPU: 1.2-1.4x faster batched decoding, same answers
     _check_template(tok, path)
@@ -231,6 +277,38 @@ def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: 
             "tokens_per_s": round(st.tokens_per_s, 2), "batches_generated": st.batches_done,
             "batches_reused": st.batches_reused, "turns_cut_for_context": st.cut_turns,
             "self_prompts": self_info, "prepacked_linears": packed}
+    return out, info
+
+
+def _fitting(tok, convs: list[Conversation], room: int, max_len: int, drops: Counter) -> list[Conversation]:
+    keep = [c for c in convs if _prompt_len(tok, c) < room]
+    drops["too_long"] += len(convs) - len(keep)
+    if not keep:
+        raise EyasError(f"--max-len {max_len}: every prompt is longer than the room left for an answer; "
+                        "raise --max-len or lower --max-new-tokens")
+    return keep
+
+
+def _regenerate_vllm(args, path: Path, convs: list[Conversation], drops: Counter) -> tuple[list[Conversation], dict]:
+    """`--regenerate --engine vllm`: the same settings and work file through `serve.vllm_generate`;
+    the target is never loaded here (it may need several GPUs)."""
+    from eyas.regenerate import GenSettings
+    from eyas.serve import vllm_generate
+
+    tok = _load_tokenizer(path)
+    room = min(args.max_len, targets.max_positions(targets.load_config(path)) - args.max_new_tokens)
+    keep = _fitting(tok, convs, room, args.max_len, drops)
+    settings = GenSettings(args.max_new_tokens, args.batch_size, args.temperature, args.seed)
+    out, st = vllm_generate.regenerate(path, keep, settings, _work_dir(args.out), targets.fingerprint(path),
+                                       fdata.end_of_turn_ids(tok), args.engine_args,
+                                       progress=os.environ.get("EYAS_NO_PROGRESS") != "1")
+    e = args.engine_args
+    info = {"engine": "vllm", "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+            "temperature": args.temperature, "seed": args.seed, "dtype": e.dtype,
+            "tensor_parallel_size": e.tensor_parallel_size, "pipeline_parallel_size": e.pipeline_parallel_size,
+            "vllm_args": e.extra, "new_tokens": st.new_tokens, "seconds": round(st.seconds, 2),
+            "tokens_per_s": round(st.tokens_per_s, 2), "batches_generated": st.batches_done,
+            "batches_reused": st.batches_reused, "turns_cut_for_context": st.cut_turns, "self_prompts": None}
     return out, info
 
 
