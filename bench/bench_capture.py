@@ -20,6 +20,7 @@ import torch
 
 from eyas import targets
 from eyas.formats import capture as fcap
+from eyas.core.batching import plan_capture_batches
 from eyas.stages import capture as scap
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts" / "grade-school-math__train.jsonl"
@@ -52,7 +53,7 @@ def plain_forward(model, records, batch_tokens: int, full: bool) -> float:
     stack = targets.find_decoder_stack(model)
     t0 = time.perf_counter()
     with torch.no_grad():
-        for batch in scap.plan_batches(list(range(len(records))), lengths, batch_tokens):
+        for batch in plan_capture_batches(list(range(len(records))), lengths, batch_tokens):
             T = max(lengths[i] for i in batch)
             ids = torch.zeros(len(batch), T, dtype=torch.long)
             mask = torch.zeros(len(batch), T, dtype=torch.long)

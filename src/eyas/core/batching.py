@@ -3,7 +3,9 @@
 - training: batches under a token budget in a seeded order (`plan_train_batches`), every batch
   length rounded up (`shape_length`) so the kernels see few distinct shapes;
 - regeneration: rows of similar prompt length under a row and padded-token budget
-  (`plan_generation_batches`).
+  (`plan_generation_batches`);
+- capture: samples cut in order into shards of a byte budget (`plan_shards`), each shard's
+  samples into length-sorted forward batches of a padded-token budget (`plan_capture_batches`).
 """
 
 from __future__ import annotations
@@ -79,4 +81,35 @@ def plan_generation_batches(lengths: list[int], batch_size: int, row_tokens: int
             batches[-1].append(i)
         else:
             batches.append([i])
+    return batches
+
+
+def plan_shards(lengths: list[int], bpt: int, shard_bytes: int) -> list[list[int]]:
+    """Cut sample indices, in order, into shards of at most `shard_bytes` (>= 1 sample each)."""
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, n in enumerate(lengths):
+        if cur and size + n * bpt > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += n * bpt
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def plan_capture_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Length-sorted batches whose padded size (count x longest) stays within the budget."""
+    order = sorted(indices, key=lambda i: (lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
     return batches

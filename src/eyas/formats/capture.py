@@ -20,6 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -354,3 +355,79 @@ def speculators_write_dataset(root: Path, input_ids: list[list[int]], loss_masks
             "last_hidden_state": "pre_final_norm (output of the last decoder layer)"}
     (root / SPECULATORS_INFO).write_text(json.dumps(info, indent=1) + "\n")
     return info
+
+
+# ---------------------------------------------------------------- speculators and SpecForge features
+
+
+def speculators_states(row: dict) -> torch.Tensor:
+    H = row["last"].shape[-1]
+    aux = row["aux"].reshape(row["aux"].shape[0], -1, H)  # (T, n_aux, H)
+    return torch.cat([aux, row["pre"].unsqueeze(1)], dim=1)  # (T, n_aux + 1, H)
+
+
+def specforge_files(src: Path) -> list[Path]:
+    files = [f for f in src.rglob("data_*.ckpt")] + [f for f in src.rglob("data_*.pt")]
+    def idx(f: Path) -> int:
+        try:
+            return int(f.stem.split("_", 1)[1])
+        except ValueError as e:
+            raise EyasError(f"SpecForge file {f}: name is not data_<index>.ckpt") from e
+    return sorted(files, key=idx)
+
+
+def read_specforge(f: Path) -> dict:
+    try:
+        d = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise EyasError(f"SpecForge file {f} cannot be read as tensors ({e}); regenerate it") from e
+    missing = [k for k in ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state") if k not in d]
+    if missing:
+        raise EyasError(f"SpecForge file {f} lacks {missing}; generate it with --enable-aux-hidden-states")
+    return {"input_ids": d["input_ids"].reshape(-1), "loss_mask": d["loss_mask"].reshape(-1),
+            "aux": d["aux_hidden_state"].reshape(d["input_ids"].numel(), -1),
+            "last": d["hidden_state"].reshape(d["input_ids"].numel(), -1)}
+
+
+def speculators_items(src: Path, norm: torch.nn.Module) -> list[Callable[[], dict]]:
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    try:
+        ds = load_from_disk(str(src)).with_format(None)
+    except Exception as e:
+        raise EyasError(f"speculators data {src} is not a saved dataset ({e}); pass the directory "
+                        "that holds the Arrow dataset and hidden_states/") from e
+
+    def item(i: int) -> dict:
+        f = src / "hidden_states" / f"hs_{i}.safetensors"
+        if not f.is_file():
+            raise EyasError(f"speculators data {src}: {f} is missing; generate it (speculators "
+                            "data generation) or drop the sample")
+        t = load_file(str(f))
+        row = ds[i]
+        if t["token_ids"].tolist() != list(row["input_ids"]):
+            raise EyasError(f"speculators file {f}: token_ids differ from the dataset row {i}; regenerate it")
+        hs = t["hidden_states"]  # (T, n_aux + 1, H): last is pre-norm
+        if hs.dim() != 3 or hs.shape[-1] != norm.weight.shape[0]:
+            raise EyasError(f"speculators file {f}: hidden_states {tuple(hs.shape)} are not [T, layers, "
+                            f"{norm.weight.shape[0]}] (the --target's hidden size); pass the target the features "
+                            "came from")
+        with torch.no_grad():
+            last = norm(hs[:, -1].to(norm.weight.dtype)).to(hs.dtype)
+        return {"input_ids": t["token_ids"], "loss_mask": torch.tensor(row["loss_mask"]),
+                "aux": hs[:, :-1].flatten(1), "last": last}
+
+    return [lambda i=i: item(i) for i in range(len(ds))]
+
+
+def speculators_recorded(src: Path) -> dict:
+    """What an eyas `--format speculators` export recorded beside its features (or {})."""
+    f = src / SPECULATORS_INFO
+    if not f.is_file():
+        return {}
+    try:
+        info = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{f} is not valid JSON ({e}); restore it or delete it and pass --layers and --train-ratio") from e
+    return info if isinstance(info, dict) else {}

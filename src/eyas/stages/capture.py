@@ -24,6 +24,7 @@ import torch
 
 from eyas import targets
 from eyas.core import ttt
+from eyas.core.batching import plan_capture_batches, plan_shards
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
 from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
@@ -171,37 +172,6 @@ def check_shard_mb(mb: float) -> None:
         raise EyasError(f"--shard-mb {mb}: must be a positive finite size in MB, e.g. 512")
 
 
-def plan_shards(lengths: list[int], bpt: int, shard_bytes: int) -> list[list[int]]:
-    """Cut sample indices, in order, into shards of at most `shard_bytes` (>= 1 sample each)."""
-    shards: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
-    for i, n in enumerate(lengths):
-        if cur and size + n * bpt > shard_bytes:
-            shards.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += n * bpt
-    if cur:
-        shards.append(cur)
-    return shards
-
-
-def plan_batches(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Length-sorted batches whose padded size (count x longest) stays within the budget."""
-    order = sorted(indices, key=lambda i: (lengths[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
 def plan_id(common: dict, shards: list[list[int]]) -> str:
     blob = json.dumps({"common": common, "shards": shards}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -346,7 +316,7 @@ def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[i
         if spec_dir is not None:  # before the shard: a finished shard implies its hs_ files
             for i, r in zip(idx, rows):
                 fcap.speculators_write_sample(spec_dir, i, torch.tensor(records[i].input_ids),
-                                              _speculators_states(r))
+                                              fcap.speculators_states(r))
         # one metadata key: safetensors writes several keys in no fixed order (bytes would vary)
         meta = {"eyas": json.dumps({"format": fcap.FORMAT + ".shard", "shard": k, "first_sample": idx[0],
                                     "samples": len(idx)}, sort_keys=True)}
@@ -354,12 +324,6 @@ def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[i
         done += 1
     bar.close()
     return {"captured_shards": done, "skipped_shards": skipped}
-
-
-def _speculators_states(row: dict) -> torch.Tensor:
-    H = row["last"].shape[-1]
-    aux = row["aux"].reshape(row["aux"].shape[0], -1, H)  # (T, n_aux, H)
-    return torch.cat([aux, row["pre"].unsqueeze(1)], dim=1)  # (T, n_aux + 1, H)
 
 
 def build_manifest(common: dict, pid: str, records: list, shards: list[list[int]], mine: list[int],
@@ -475,7 +439,7 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
 
         def produce(idx: list[int], tick: Callable[[int], object]) -> list[dict]:
             got: dict[int, dict] = {}
-            for batch in plan_batches(idx, lengths, cfg.batch_tokens):
+            for batch in plan_capture_batches(idx, lengths, cfg.batch_tokens):
                 got.update(zip(batch, fwd([records[i].input_ids for i in batch],
                                           [records[i].loss_mask for i in batch])))
                 tick(sum(lengths[i] for i in batch))
@@ -579,73 +543,6 @@ def run_import(args) -> int:
     return 0
 
 
-def _specforge_files(src: Path) -> list[Path]:
-    files = [f for f in src.rglob("data_*.ckpt")] + [f for f in src.rglob("data_*.pt")]
-    def idx(f: Path) -> int:
-        try:
-            return int(f.stem.split("_", 1)[1])
-        except ValueError as e:
-            raise EyasError(f"SpecForge file {f}: name is not data_<index>.ckpt") from e
-    return sorted(files, key=idx)
-
-
-def _load_specforge(f: Path) -> dict:
-    try:
-        d = torch.load(f, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise EyasError(f"SpecForge file {f} cannot be read as tensors ({e}); regenerate it") from e
-    missing = [k for k in ("input_ids", "loss_mask", "aux_hidden_state", "hidden_state") if k not in d]
-    if missing:
-        raise EyasError(f"SpecForge file {f} lacks {missing}; generate it with --enable-aux-hidden-states")
-    return {"input_ids": d["input_ids"].reshape(-1), "loss_mask": d["loss_mask"].reshape(-1),
-            "aux": d["aux_hidden_state"].reshape(d["input_ids"].numel(), -1),
-            "last": d["hidden_state"].reshape(d["input_ids"].numel(), -1)}
-
-
-def _speculators_items(src: Path, norm: torch.nn.Module) -> list[Callable[[], dict]]:
-    from datasets import load_from_disk
-    from safetensors.torch import load_file
-
-    try:
-        ds = load_from_disk(str(src)).with_format(None)
-    except Exception as e:
-        raise EyasError(f"speculators data {src} is not a saved dataset ({e}); pass the directory "
-                        "that holds the Arrow dataset and hidden_states/") from e
-
-    def item(i: int) -> dict:
-        f = src / "hidden_states" / f"hs_{i}.safetensors"
-        if not f.is_file():
-            raise EyasError(f"speculators data {src}: {f} is missing; generate it (speculators "
-                            "data generation) or drop the sample")
-        t = load_file(str(f))
-        row = ds[i]
-        if t["token_ids"].tolist() != list(row["input_ids"]):
-            raise EyasError(f"speculators file {f}: token_ids differ from the dataset row {i}; regenerate it")
-        hs = t["hidden_states"]  # (T, n_aux + 1, H): last is pre-norm
-        if hs.dim() != 3 or hs.shape[-1] != norm.weight.shape[0]:
-            raise EyasError(f"speculators file {f}: hidden_states {tuple(hs.shape)} are not [T, layers, "
-                            f"{norm.weight.shape[0]}] (the --target's hidden size); pass the target the features "
-                            "came from")
-        with torch.no_grad():
-            last = norm(hs[:, -1].to(norm.weight.dtype)).to(hs.dtype)
-        return {"input_ids": t["token_ids"], "loss_mask": torch.tensor(row["loss_mask"]),
-                "aux": hs[:, :-1].flatten(1), "last": last}
-
-    return [lambda i=i: item(i) for i in range(len(ds))]
-
-
-def _recorded(src: Path) -> dict:
-    """What an eyas `--format speculators` export recorded beside its features (or {})."""
-    f = src / fcap.SPECULATORS_INFO
-    if not f.is_file():
-        return {}
-    try:
-        info = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{f} is not valid JSON ({e}); restore it or delete it and pass --layers and --train-ratio") from e
-    return info if isinstance(info, dict) else {}
-
-
 def import_features(kind: str, src: Path, target: str, out: Path, layers: str = "auto",
                     train_ratio: float | None = None, shard_mb: float = 512, force: bool = False) -> dict:
     """Convert speculators/SpecForge features into an eyas capture at `out`."""
@@ -658,18 +555,18 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     path = targets.resolve(target)
     tcfg = targets.load_config(path)
     layer_ids = targets.parse_layers(layers, tcfg.num_hidden_layers)
-    rec = _recorded(src) if kind == "speculators" else {}
+    rec = fcap.speculators_recorded(src) if kind == "speculators" else {}
     if rec.get("layer_ids") is not None:
         if layers != "auto" and layer_ids != rec["layer_ids"]:
             raise EyasError(f"--layers {layers}: {src / fcap.SPECULATORS_INFO} records that these features hold "
                             f"layers {rec['layer_ids']}; drop --layers or pass those")
         layer_ids = [int(i) for i in rec["layer_ids"]]
     if kind == "specforge":
-        files = _specforge_files(src)
-        items = [lambda f=f: _load_specforge(f) for f in files]
+        files = fcap.specforge_files(src)
+        items = [lambda f=f: fcap.read_specforge(f) for f in files]
     else:
         model, _ = targets.load(path)
-        items = _speculators_items(src, targets.find_decoder_stack(model).norm)
+        items = fcap.speculators_items(src, targets.find_decoder_stack(model).norm)
     if not items:
         raise EyasError(f"{kind} features {src}: no samples found")
     first = items[0]()
