@@ -16,18 +16,19 @@ import logging
 import math
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from eyas import targets
+from eyas.config import add_arguments, arg, command, from_namespace
 from eyas.core import ttt
 from eyas.core.batching import plan_capture_batches, plan_shards
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
+from eyas.stages.common import atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
 
 log = logging.getLogger(__name__)
 PLAN_FILE = ".eyas-capture-plan.json"
@@ -35,22 +36,58 @@ PLAN_FILE = ".eyas-capture-plan.json"
 
 @dataclass(frozen=True)
 class CaptureConfig:
-    """Arguments of `eyas capture`."""
+    """`eyas capture`: one field per flag (also built from Python: tests, the quickstart)."""
 
-    target: str
-    data: Path
-    out: Path
-    layers: str = "auto"
-    dtype: str = "bf16"
-    batch_tokens: int = 4096
-    shard_mb: float = 512
-    shard_index: int = 0
-    num_shards: int = 1
-    force: bool = False
-    device: str = "cpu"
-    format: str = "eyas"
-    engine: str = "eyas"
-    engine_args: object = None  # serve.vllm_jobs.EngineArgs with --engine vllm
+    target: str | None = arg("built-in name or local HF directory", None)
+    data: Path | None = arg("prepared data directory (eyas data prepare)", None)
+    out: Path | None = arg("output directory", None)
+    layers: str = arg("aux layers: auto = [2, L//2, L-3], or i,j,k (HF index)", "auto")
+    dtype: str = arg("run and store dtype; auto = bf16 where the machine runs it natively, else fp32", "auto",
+                     choices=("auto", "bf16", "fp16", "fp32"))
+    batch_tokens: int = arg("padded tokens per forward batch", 4096)
+    shard_mb: float = arg("target shard size in MB", 512)
+    shard_index: int = arg("this part's index (0-based)", 0)
+    num_shards: int = arg("split the work into this many parts", 1)
+    force: bool = arg("ignore the free-space check; replace a foreign --out", False)
+    device: str = arg("cpu, cuda, cuda:N or auto", "cpu")
+    format: str = arg("speculators: also write the speculators offline layout under OUT/speculators", "eyas",
+                      choices=("eyas", "speculators"))
+    engine: str = arg("who runs the target: eyas (transformers, this process) or vllm (its extract_hidden_states, "
+                      "tensor / pipeline parallel; docs/scale.md)", "eyas", choices=("eyas", "vllm"))
+    tensor_parallel_size: int = arg("with --engine vllm: vLLM's tensor_parallel_size", 1)
+    pipeline_parallel_size: int = arg("with --engine vllm: vLLM's pipeline_parallel_size", 1)
+    vllm_args: str | None = arg("with --engine vllm: other vllm.LLM keywords as a JSON object", None, metavar="JSON")
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeConfig:
+    parts: list[Path] = arg("part directories", positional=True)
+    out: Path = arg("output directory")
+    force: bool = arg("replace a non-empty --out", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportConfig:
+    source: Path = arg("directory of features", positional=True)
+    source_format: str = arg("the tool that wrote the features", flag="--from", choices=("speculators", "specforge"))
+    target: str = arg("the target the features came from")
+    out: Path = arg("output directory")
+    layers: str = arg("aux layers the features hold (HF index); auto = those an eyas export recorded "
+                      "(eyas_speculators.json), else [2, L//2, L-3]", "auto")
+    train_ratio: float | None = arg("first share of samples marked train, rest eval (default: the split an eyas "
+                                    "export recorded, else 1.0: no eval split)", None)
+    shard_mb: float = arg("target shard size in MB", 512)
+    force: bool = arg("replace a non-empty --out", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateConfig:
+    capture: Path = arg("capture directory", positional=True)
+    data: Path | None = arg("prepared data directory the capture came from", None)
+    json: bool = arg("print a machine-readable JSON summary", False)
 
 
 # ---------------------------------------------------------------- CLI
@@ -62,105 +99,52 @@ def register(sub) -> None:
         description="Run the target over prepared samples (both splits) and store per token the "
         "concatenated aux states [T, 3H] at --layers (HF hidden_states index) and the final-norm output "
         "[T, H], with the target's full-vocabulary argmax where the next token is supervised (training's "
-        "out-of-vocabulary mask), as safetensors shards + manifest.json. Rerun the same command to resume after a kill. "
-        "Actions: `merge` joins part captures, `import` converts speculators/SpecForge features, "
+        "out-of-vocabulary mask), as safetensors shards + manifest.json. Rerun the same command to resume after a "
+        "kill. Actions: `merge` joins part captures, `import` converts speculators/SpecForge features, "
         "`validate` checks a capture.")
-    p.add_argument("--target", help="built-in name or local HF directory")
-    p.add_argument("--data", type=Path, help="prepared data directory (eyas data prepare)")
-    p.add_argument("--out", type=Path, help="output directory")
-    p.add_argument("--layers", default="auto", help="aux layers: auto = [2, L//2, L-3], or i,j,k (HF index)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                   help="run and store dtype; auto (default) = bf16 on CUDA and AMX / AVX512-BF16 CPUs, else fp32")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward batch (default 4096)")
-    p.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB (default 512)")
-    p.add_argument("--shard-index", type=int, default=0, help="this part's index (0-based)")
-    p.add_argument("--num-shards", type=int, default=1, help="split the work into this many parts")
-    p.add_argument("--force", action="store_true", help="ignore the free-space check; replace a foreign --out")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--format", default="eyas", choices=("eyas", "speculators"),
-                   help="speculators: also write the speculators offline layout under OUT/speculators")
-    p.add_argument("--engine", default="eyas", choices=("eyas", "vllm"),
-                   help="who runs the target: eyas (transformers in this process; default) or vllm (`pip install "
-                   "vllm`: its extract_hidden_states method with eyas's KV connector, tensor / pipeline parallel, "
-                   "for targets that need several GPUs). Same shards, manifest and layer ids; with vllm the final "
-                   "norm and the argmax are applied by eyas from the checkpoint's weights, on --device")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="with --engine vllm: vLLM's "
-                   "tensor_parallel_size (default 1)")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="with --engine vllm: vLLM's "
-                   "pipeline_parallel_size (default 1)")
-    p.add_argument("--vllm-args", default=None, metavar="JSON", help="with --engine vllm: other vllm.LLM keywords "
-                   "as a JSON object, e.g. '{\"enforce_eager\": true}'")
-    add_json_flag(p)
-    p.set_defaults(func=run_capture)
+    add_arguments(p, CaptureConfig)
+    p.set_defaults(func=lambda args: run_capture(from_namespace(CaptureConfig, args)))
     csub = p.add_subparsers(dest="capture_command", metavar="ACTION")
-    m = csub.add_parser("merge", help="join part captures (--shard-index/--num-shards) into one",
-                        description="Join the part directories of one split capture into a single capture.")
-    m.add_argument("parts", nargs="+", type=Path, help="part directories")
-    m.add_argument("--out", type=Path, required=True, help="output directory")
-    m.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    add_json_flag(m)
-    m.set_defaults(func=run_merge)
-    i = csub.add_parser("import", help="convert speculators or SpecForge features to eyas shards",
-                        description="speculators: DIR holds the Arrow dataset and hidden_states/hs_*.safetensors "
-                        "(last state pre-norm; the target's final norm is applied). specforge: DIR holds "
-                        "rows_*/data_*.ckpt (aux_hidden_state, hidden_state post-norm, input_ids, loss_mask).")
-    i.add_argument("source", type=Path, help="directory of features")
-    i.add_argument("--from", dest="source_format", required=True, choices=("speculators", "specforge"))
-    i.add_argument("--target", required=True, help="the target the features came from")
-    i.add_argument("--out", type=Path, required=True, help="output directory")
-    i.add_argument("--layers", default="auto", help="aux layers the features hold (HF index); auto = those an "
-                   "eyas export recorded (eyas_speculators.json), else [2, L//2, L-3]")
-    i.add_argument("--train-ratio", type=float, default=None,
-                   help="first share of samples marked train, rest eval (default: the split an eyas export "
-                   "recorded, else 1.0: no eval split)")
-    i.add_argument("--shard-mb", type=float, default=512, help="target shard size in MB (default 512)")
-    i.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    add_json_flag(i)
-    i.set_defaults(func=run_import)
-    v = csub.add_parser("validate", help="check a capture: shard hashes, every sample's shapes and values",
-                        description="Read a whole capture and check each shard's sha256 against the manifest and "
-                        "every sample's shapes, dtype and finiteness (NaN/inf); with --data also its tokens "
-                        "against the prepared data it was captured from. Exits 2 naming the first bad shard "
-                        "or sample and what to do about it.")
-    v.add_argument("capture", type=Path, help="capture directory")
-    v.add_argument("--data", type=Path, help="prepared data directory the capture came from")
-    add_json_flag(v)
-    v.set_defaults(func=run_validate)
+    command(csub, "merge", MergeConfig, run_merge, help="join part captures (--shard-index/--num-shards) into one",
+            description="Join the part directories of one split capture into a single capture.")
+    command(csub, "import", ImportConfig, run_import, help="convert speculators or SpecForge features to eyas shards",
+            description="speculators: DIR holds the Arrow dataset and hidden_states/hs_*.safetensors (last state "
+            "pre-norm; the target's final norm is applied). specforge: DIR holds rows_*/data_*.ckpt "
+            "(aux_hidden_state, hidden_state post-norm, input_ids, loss_mask).")
+    command(csub, "validate", ValidateConfig, run_validate, help="check a capture: shard hashes, every sample's "
+            "shapes and values", description="Read a whole capture and check each shard's sha256 against the "
+            "manifest and every sample's shapes, dtype and finiteness (NaN/inf); with --data also its tokens "
+            "against the prepared data it was captured from. Exits 2 naming the first bad shard or sample and "
+            "what to do about it.")
 
 
-def _config(args) -> CaptureConfig:
-    missing = [f"--{n}" for n in ("target", "data", "out") if getattr(args, n) is None]
+def check(cfg: CaptureConfig):
+    """Exit 2 on flag values that cannot work; returns vLLM's engine settings with --engine vllm."""
+    missing = [f"--{n}" for n in ("target", "data", "out") if getattr(cfg, n) is None]
     if missing:
         raise EyasError(f"eyas capture needs {', '.join(missing)} (see `eyas capture --help`)")
-    if args.num_shards < 1 or not 0 <= args.shard_index < args.num_shards:
-        raise EyasError(f"--shard-index {args.shard_index} --num-shards {args.num_shards}: need 0 <= index < count")
-    if args.batch_tokens < 1:
-        raise EyasError(f"--batch-tokens {args.batch_tokens}: must be positive, e.g. 4096")
-    check_shard_mb(args.shard_mb)
-    engine = getattr(args, "engine", "eyas")
-    engine_args = None
-    if engine == "vllm":
+    if cfg.num_shards < 1 or not 0 <= cfg.shard_index < cfg.num_shards:
+        raise EyasError(f"--shard-index {cfg.shard_index} --num-shards {cfg.num_shards}: need 0 <= index < count")
+    if cfg.batch_tokens < 1:
+        raise EyasError(f"--batch-tokens {cfg.batch_tokens}: must be positive, e.g. 4096")
+    check_shard_mb(cfg.shard_mb)
+    if cfg.engine == "vllm":
         from eyas.serve.vllm_jobs import parse_engine_args
 
-        engine_args = parse_engine_args(args.dtype, args.tensor_parallel_size, args.pipeline_parallel_size,
-                                        args.vllm_args)
-    else:
-        given = [f for f, v in (("--tensor-parallel-size", getattr(args, "tensor_parallel_size", 1) != 1),
-                                ("--pipeline-parallel-size", getattr(args, "pipeline_parallel_size", 1) != 1),
-                                ("--vllm-args", getattr(args, "vllm_args", None))) if v]
-        if given:
-            raise EyasError(f"{given[0]} only applies to --engine vllm; add --engine vllm or drop {given[0]}")
-    return CaptureConfig(args.target, args.data, args.out, args.layers, args.dtype, args.batch_tokens,
-                         args.shard_mb, args.shard_index, args.num_shards, args.force, args.device, args.format,
-                         engine, engine_args)
+        return parse_engine_args(cfg.dtype, cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.vllm_args)
+    given = [f for f, v in (("--tensor-parallel-size", cfg.tensor_parallel_size != 1),
+                            ("--pipeline-parallel-size", cfg.pipeline_parallel_size != 1),
+                            ("--vllm-args", cfg.vllm_args)) if v]
+    if given:
+        raise EyasError(f"{given[0]} only applies to --engine vllm; add --engine vllm or drop {given[0]}")
+    return None
 
 
-def run_capture(args) -> int:
-    cfg = _config(args)
+def run_capture(cfg: CaptureConfig) -> int:
     summary = capture(cfg)
     human = (f"captured {summary['samples']} samples / {summary['tokens']} tokens into {summary['shards']} shards "
              f"({summary['captured_shards']} new, {summary['skipped_shards']} already done) -> {cfg.out}")
-    emit(args, summary, human)
+    emit(cfg, summary, human)
     return 0
 
 
@@ -360,6 +344,9 @@ def finish(out: Path, manifest: dict, records: list, spec_dir: Path | None, prov
 
 def capture(cfg: CaptureConfig) -> dict:
     """Run `eyas capture` for `cfg` (resolving and loading the target)."""
+    engine_args = check(cfg)
+    if cfg.dtype == "auto":  # the CLI resolves it before; a Python caller may not
+        cfg = replace(cfg, dtype=targets.fast_dtype(cfg.device))
     path = targets.resolve(cfg.target)
     tcfg = targets.load_config(path)
     layer_ids = targets.parse_layers(cfg.layers, tcfg.num_hidden_layers)
@@ -383,12 +370,12 @@ def capture(cfg: CaptureConfig) -> dict:
         raise EyasError(f"--data {cfg.data}: sample {bad.id} holds token ids outside 0..{V - 1}; "
                         "it was prepared for another tokenizer: prepare it for this target")
     if cfg.engine == "vllm":
-        return capture_with_vllm(path, records, common, cfg)
+        return capture_with_vllm(path, records, common, cfg, engine_args)
     model, _ = targets.load(path, dtype=cfg.dtype, device=str(device))
     return capture_records(model, records, common, cfg, device)
 
 
-def capture_with_vllm(path: Path, records: list, common: dict, cfg: CaptureConfig) -> dict:
+def capture_with_vllm(path: Path, records: list, common: dict, cfg: CaptureConfig, engine_args) -> dict:
     """`eyas capture --engine vllm`: the same plan, disk estimate, shards and manifest as
     `capture_records`, the states from vLLM (`serve.vllm_capture`, in a child process); the
     target is never loaded here."""
@@ -406,7 +393,7 @@ def capture_with_vllm(path: Path, records: list, common: dict, cfg: CaptureConfi
     check_disk(cfg.out, need, cfg.force)
     prepare_out(cfg.out, pid, cfg.force)
     counts = vllm_capture.capture_shards(path, cfg.data, cfg.out, common["layer_ids"], common["num_layers"],
-                                         common["dtype"], shards, mine, speculators, cfg.device, cfg.engine_args)
+                                         common["dtype"], shards, mine, speculators, cfg.device, engine_args)
     shutil.rmtree(cfg.out / vllm_capture.SPOOL, ignore_errors=True)
     part = {"index": cfg.shard_index, "count": cfg.num_shards} if cfg.num_shards > 1 else None
     m = build_manifest(common, pid, records, shards, mine, cfg.out, part)
@@ -459,7 +446,7 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
 # ---------------------------------------------------------------- merge
 
 
-def run_validate(args) -> int:
+def run_validate(args: ValidateConfig) -> int:
     reader = fcap.CaptureReader(args.capture, verify=True)
     summary = {"capture": str(args.capture), **reader.validate(args.data)}
     emit(args, summary, f"{args.capture}: {summary['samples']} samples, {summary['tokens']} tokens, "
@@ -468,7 +455,7 @@ def run_validate(args) -> int:
     return 0
 
 
-def run_merge(args) -> int:
+def run_merge(args: MergeConfig) -> int:
     summary = merge(args.parts, args.out, args.force)
     emit(args, summary, f"merged {len(args.parts)} parts: {summary['samples']} samples, "
          f"{summary['shards']} shards -> {args.out}")
@@ -535,7 +522,7 @@ def _records_from_parts(parts: list[Path], ms: list[dict]) -> list:
 # ---------------------------------------------------------------- import
 
 
-def run_import(args) -> int:
+def run_import(args: ImportConfig) -> int:
     summary = import_features(args.source_format, args.source, args.target, args.out, args.layers,
                               args.train_ratio, args.shard_mb, args.force)
     emit(args, summary, f"imported {summary['samples']} samples / {summary['tokens']} tokens from "
