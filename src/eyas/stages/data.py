@@ -13,14 +13,16 @@ import math
 import os
 import shutil
 from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eyas import targets
+from eyas.config import arg, command
 from eyas.errors import EyasError
 from eyas.formats import data as fdata
 from eyas.formats import prompts as fprompts
 from eyas.formats.prompts import Conversation
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
+from eyas.stages.common import atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
 
 log = logging.getLogger(__name__)
 # prompts per regeneration batch on a CPU (`--batch-size` default). A decoding step's small matrix
@@ -68,63 +70,56 @@ and reused by a rerun of the same command after an interruption.
 """
 
 
+@dataclass(frozen=True, kw_only=True)
+class PrepareConfig:
+    """`eyas data prepare`: one field per flag."""
+
+    target: str = arg("built-in name or local HF directory", targets.DEFAULT_TARGET)
+    input: list[str] = arg("prompt files (.json/.jsonl/.txt, optionally .gz; .parquet/.arrow or a `datasets` "
+                           "directory), `builtin` and/or `builtin-public` (prompts shipped with eyas)", [],
+                           metavar="FILE")
+    self_prompts: int = arg("with --regenerate: the target also writes N first-turn prompts itself (Magpie), "
+                            "then answers them (default 0)", 0, metavar="N")
+    out: Path = arg("output directory")
+    max_len: int = arg("truncate samples to N tokens", 2048)
+    exclude: list[str] = arg("held-out prompt files (e.g. your bench set): drop every conversation whose first "
+                             "user turn matches one of theirs", [], metavar="FILE")
+    limit: int | None = arg("keep the first N conversations after de-dup and --exclude", None)
+    eval_fraction: float = arg("share of ids hashed into eval", 0.05)
+    regenerate: bool = arg("let the target write all assistant turns", False)
+    max_new_tokens: int | None = arg("per answer, with --regenerate (default 256)", None)
+    batch_size: int | None = arg(f"prompts per batch, with --regenerate (default {REGEN_BATCH}; rows leave the "
+                                 "batch as they finish)", None)
+    temperature: float | None = arg("0 = greedy (default), with --regenerate", None)
+    seed: int = arg("sampling seed (default 0)", 0)
+    device: str = arg("cpu, cuda, cuda:N or auto", "cpu")
+    dtype: str = arg("fp32, bf16, fp16 or auto (bf16 where the machine runs it natively, else fp32)", "fp32")
+    force: bool = arg("replace an existing --out", False)
+    engine: str = arg("with --regenerate: who runs the target: eyas (its own batched loop, this process) or vllm "
+                      "(tensor / pipeline parallel, continuous batching; docs/scale.md)", DEFAULT_ENGINE,
+                      choices=ENGINES)
+    tensor_parallel_size: int = arg("with --engine vllm: vLLM's tensor_parallel_size", 1)
+    pipeline_parallel_size: int = arg("with --engine vllm: vLLM's pipeline_parallel_size", 1)
+    vllm_args: str | None = arg("with --engine vllm: other vllm.LLM keywords as a JSON object", None,
+                                metavar="JSON")
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
 def register(sub) -> None:
     p = sub.add_parser("data", help="prepare training data", description="Prepare training data.")
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    q = dsub.add_parser("prepare", help="prompts/chats -> tokenized samples with loss masks",
-                        description="Render prompt files with the target's chat template into tokenized "
-                        "samples with assistant-only loss masks; optionally let the target write the "
-                        "answers (--regenerate).", epilog=EPILOG,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory "
-                   "(default %(default)s)")
-    q.add_argument("--input", nargs="+", default=[], metavar="FILE",
-                   help="prompt files (.json/.jsonl/.txt, optionally .gz; .parquet/.arrow or a `datasets` "
-                   "save_to_disk directory), `builtin` (generated prompts) "
-                   "and/or `builtin-public` (public prompts shipped with eyas)")
-    q.add_argument("--self-prompts", type=int, default=0, metavar="N",
-                   help="with --regenerate: the target also writes N first-turn prompts itself (Magpie: "
-                   "sampled at temperature 0.9 from its chat template's opening of a user turn, kept when "
-                   "they end within 128 tokens, new and 3+ words), then answers them like the others; "
-                   "chat-style data without a dataset (default 0)")
-    q.add_argument("--out", required=True, type=Path, help="output directory")
-    q.add_argument("--max-len", type=int, default=2048, help="truncate samples to N tokens (default 2048)")
-    q.add_argument("--exclude", nargs="+", metavar="FILE", default=[],
-                   help="held-out prompt files (e.g. your bench set): drop every conversation whose first "
-                   "user turn matches one of theirs (normalised as for de-dup)")
-    q.add_argument("--limit", type=int, default=None, help="keep the first N conversations after de-dup "
-                   "and --exclude")
-    q.add_argument("--eval-fraction", type=float, default=0.05, help="share of ids hashed into eval (default 0.05)")
-    q.add_argument("--regenerate", action="store_true", help="let the target write all assistant turns")
-    q.add_argument("--max-new-tokens", type=int, default=None, help="per answer, with --regenerate (default 256)")
-    q.add_argument("--batch-size", type=int, default=None, help="prompts per batch, with --regenerate "
-                   f"(default {REGEN_BATCH}; rows leave the batch as they finish)")
-    q.add_argument("--temperature", type=float, default=None, help="0 = greedy (default), with --regenerate")
-    q.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    q.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
-    q.add_argument("--dtype", default="fp32", help="fp32, bf16, fp16 or auto (the machine's fast one: bf16 on "
-                   "CUDA and AMX / AVX512-BF16 CPUs, else fp32) (default fp32)")
-    q.add_argument("--force", action="store_true", help="replace an existing --out")
-    q.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
-                   help="with --regenerate: who runs the target. eyas = its own batched loop in this process "
-                   "(any target one device holds); vllm = vLLM (`pip install vllm`), with its tensor / pipeline "
-                   "parallelism and continuous batching, for targets that need several GPUs or nodes. Same "
-                   "output files, loss masks and resumability (default %(default)s)")
-    q.add_argument("--tensor-parallel-size", type=int, default=1, help="with --engine vllm: GPUs each layer is "
-                   "sharded over (vLLM's tensor_parallel_size; default 1)")
-    q.add_argument("--pipeline-parallel-size", type=int, default=1, help="with --engine vllm: pipeline stages "
-                   "(vLLM's pipeline_parallel_size; x tensor parallel = GPUs used; default 1)")
-    q.add_argument("--vllm-args", default=None, metavar="JSON", help="with --engine vllm: other vllm.LLM "
-                   "keywords as a JSON object, e.g. '{\"distributed_executor_backend\": \"ray\"}' for several "
-                   "nodes or '{\"enforce_eager\": true}'")
-    add_json_flag(q)
-    q.set_defaults(func=run_prepare)
+    command(dsub, "prepare", PrepareConfig, run_prepare, help="prompts/chats -> tokenized samples with loss masks",
+            description="Render prompt files with the target's chat template into tokenized samples with "
+            "assistant-only loss masks; optionally let the target write the answers (--regenerate).",
+            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 # ---------------------------------------------------------------- checks
 
 
-def _check_args(args) -> None:
+def check(args: PrepareConfig) -> tuple[PrepareConfig, object]:
+    """Exit 2 on flag values that cannot work; returns the config with the --regenerate defaults filled in
+    and vLLM's engine settings (with --engine vllm, else None)."""
     if not args.input and not args.self_prompts:
         raise EyasError("no prompts: pass --input FILE... (or `builtin`, `builtin-public`) and/or "
                         "--self-prompts N with --regenerate")
@@ -145,9 +140,9 @@ def _check_args(args) -> None:
         given = [k for k, v in gen_flags.items() if v is not None]
         if given:
             raise EyasError(f"{given[0]} only applies to --regenerate; add --regenerate or drop {given[0]}")
-    args.max_new_tokens = 256 if args.max_new_tokens is None else args.max_new_tokens
-    args.batch_size = REGEN_BATCH if args.batch_size is None else args.batch_size
-    args.temperature = 0.0 if args.temperature is None else args.temperature
+    args = replace(args, max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
+                   batch_size=REGEN_BATCH if args.batch_size is None else args.batch_size,
+                   temperature=0.0 if args.temperature is None else args.temperature)
     if args.max_new_tokens <= 0:
         raise EyasError(f"--max-new-tokens {args.max_new_tokens}: must be positive, e.g. 256")
     if args.batch_size <= 0:
@@ -156,7 +151,7 @@ def _check_args(args) -> None:
         raise EyasError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
     targets.parse_dtype(args.dtype)
     targets.parse_device(args.device)
-    _check_engine_args(args)
+    engine_args = _check_engine_args(args)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise EyasError(f"--out {out} is a file; prepared data is a directory: choose another path")
@@ -165,16 +160,17 @@ def _check_args(args) -> None:
     refuse_out_over_inputs(out, {"--input": args.input, "--exclude": args.exclude,
                                  "--target": targets.local_dir(args.target)})
     refuse_symlink_out(out)
+    return args, engine_args
 
 
-def _check_engine_args(args) -> None:
+def _check_engine_args(args: PrepareConfig):
     vllm_flags = {"--tensor-parallel-size": args.tensor_parallel_size != 1,
                   "--pipeline-parallel-size": args.pipeline_parallel_size != 1, "--vllm-args": args.vllm_args}
     if args.engine != "vllm":
         given = [k for k, v in vllm_flags.items() if v]
         if given:
             raise EyasError(f"{given[0]} only applies to --engine vllm; add --engine vllm or drop {given[0]}")
-        return
+        return None
     from eyas.serve import vllm_engine
     from eyas.serve.vllm_jobs import parse_engine_args
 
@@ -186,9 +182,10 @@ def _check_engine_args(args) -> None:
     if args.device != "cpu":
         raise EyasError(f"--device {args.device}: with --engine vllm, vLLM picks its devices (CUDA GPUs, else the "
                         "CPU); drop --device")
-    args.engine_args = parse_engine_args(args.dtype, args.tensor_parallel_size, args.pipeline_parallel_size,
-                                         args.vllm_args)
+    engine_args = parse_engine_args(args.dtype, args.tensor_parallel_size, args.pipeline_parallel_size,
+                                    args.vllm_args)
     vllm_engine.require()
+    return engine_args
 
 
 def _load_tokenizer(path: Path):
@@ -244,12 +241,12 @@ def _prompt_len(tok, conv: Conversation) -> int:
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _regenerate(args, path: Path, convs: list[Conversation], stats: dict, held: set[str],
-                drops: Counter) -> tuple[list[Conversation], dict]:
+def _regenerate(args: PrepareConfig, path: Path, convs: list[Conversation], stats: dict, held: set[str],
+                drops: Counter, engine_args=None) -> tuple[list[Conversation], dict]:
     from eyas.regenerate import GenSettings, regenerate
 
     if args.engine == "vllm":
-        return _regenerate_vllm(args, path, convs, drops)
+        return _regenerate_vllm(args, path, convs, drops, engine_args)
 
     model, tok = targets.load(path, dtype=args.dtype, device=args.device)
     packed = targets.prepack_for_decoding(model)  # fp32 CPU: 1.2-1.4x faster batched decoding, same answers
@@ -289,7 +286,8 @@ def _fitting(tok, convs: list[Conversation], room: int, max_len: int, drops: Cou
     return keep
 
 
-def _regenerate_vllm(args, path: Path, convs: list[Conversation], drops: Counter) -> tuple[list[Conversation], dict]:
+def _regenerate_vllm(args: PrepareConfig, path: Path, convs: list[Conversation], drops: Counter,
+                     engine_args) -> tuple[list[Conversation], dict]:
     """`--regenerate --engine vllm`: the same settings and work file through `serve.vllm_generate`;
     the target is never loaded here (it may need several GPUs)."""
     from eyas.regenerate import GenSettings
@@ -300,9 +298,9 @@ def _regenerate_vllm(args, path: Path, convs: list[Conversation], drops: Counter
     keep = _fitting(tok, convs, room, args.max_len, drops)
     settings = GenSettings(args.max_new_tokens, args.batch_size, args.temperature, args.seed)
     out, st = vllm_generate.regenerate(path, keep, settings, _work_dir(args.out), targets.fingerprint(path),
-                                       fdata.end_of_turn_ids(tok), args.engine_args,
+                                       fdata.end_of_turn_ids(tok), engine_args,
                                        progress=os.environ.get("EYAS_NO_PROGRESS") != "1")
-    e = args.engine_args
+    e = engine_args
     info = {"engine": "vllm", "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
             "temperature": args.temperature, "seed": args.seed, "dtype": e.dtype,
             "tensor_parallel_size": e.tensor_parallel_size, "pipeline_parallel_size": e.pipeline_parallel_size,
@@ -316,8 +314,6 @@ def _self_prompts(args, path: Path, model, tok, convs: list[Conversation], stats
                   held: set[str]) -> tuple[list[Conversation], dict]:
     """Add `--self-prompts` prompts written by the target (distinct from the loaded ones and
     from --exclude's) to `convs`, as source `self`."""
-    from dataclasses import replace
-
     from eyas.regenerate import SELF_SETTINGS, SELF_SOURCE, write_prompts
 
     settings = replace(SELF_SETTINGS, batch_size=args.batch_size, seed=args.seed)
@@ -363,8 +359,8 @@ def _render(tok, convs: list[Conversation], max_len: int, drops: Counter) -> lis
     return samples
 
 
-def run_prepare(args) -> int:
-    _check_args(args)
+def run_prepare(args: PrepareConfig) -> int:
+    args, engine_args = check(args)
     path = targets.resolve(args.target)
     tok = _load_tokenizer(path)
     convs, stats = _load_inputs(args.input)
@@ -383,7 +379,7 @@ def run_prepare(args) -> int:
         convs = convs[: args.limit]
     gen_info = None
     if args.regenerate:
-        convs, gen_info = _regenerate(args, path, convs, stats, held, drops)
+        convs, gen_info = _regenerate(args, path, convs, stats, held, drops, engine_args)
     trimmed = []
     for c in convs:
         t = _trim(c)
