@@ -6,7 +6,7 @@ log_softmax form, forward + backward through the draft head, interleaved in one 
 
 `rows` is the supervised positions of one step (a 2048-token batch of the quickstart has
 about 1,200); the head is `vocab x hidden` (SmolLM2 with an 8k draft vocabulary). Both arms
-compute the same function (tests/test_ttt.py checks values and gradients); the plain arm is
+compute the same function (tests/core/test_ttt.py checks values and gradients); the plain arm is
 `-(probs[rows] * log_softmax(logits.float())).sum(-1)` plus the argmax, as `ttt_forward` did
 before the chunked form. Also times the head's matrix products alone (`F.linear`, forward and
 backward), so the loss's own share is the difference (negative when the chunked form's products

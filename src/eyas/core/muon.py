@@ -20,7 +20,7 @@ for SmolLM2's drafter in bf16 on 2 CPU cores, about 7% of a 1024-token training 
 Why eyas has its own and not `torch.optim.Muon`: that one runs the iteration in bf16, which
 on a CPU without native bf16 costs about five times the fp32 iteration; here the iteration's
 dtype is the caller's (`eyas.stages.trainer` passes the training's compute dtype), and with the
-reference iteration in bf16 the update equals `torch.optim.Muon`'s (tests/test_muon.py). The
+reference iteration in bf16 the update equals `torch.optim.Muon`'s (tests/core/test_muon.py). The
 AdamW half is torch's AdamW update written out (equal to `torch.optim.AdamW` in tests), so one
 optimizer, one state dict and one scheduler carry both halves through checkpoints and `--resume`.
 """

@@ -2,13 +2,13 @@
 is what it is tested against; none changes a result beyond floating-point order.
 
 - `prepack`: oneDNN-packed linear weights for few-row forwards (plain: `nn.Linear`); outputs
-  equal the unpacked model's (tests/test_prepack.py, tests/test_speculative.py).
+  equal the unpacked model's (tests/cpu/test_prepack.py, tests/core/test_speculative.py).
 - `attention`: attention overrides for verification and batched regeneration (plain:
-  transformers' sdpa / eager attention); equal outputs (tests/test_speculative.py, test_data.py).
+  transformers' sdpa / eager attention); equal outputs (tests/core/test_speculative.py, tests/stages/test_data.py).
 - `hostmem`: glibc keeps freed large buffers for reuse instead of returning them to the OS
-  (plain: glibc's defaults; `EYAS_MALLOC=default`), tests/test_hostmem.py.
+  (plain: glibc's defaults; `EYAS_MALLOC=default`), tests/cpu/test_hostmem.py.
 
 The chunked head loss of training lives with the loss it computes (`core.ttt.target_table`,
-checked against the unchunked table in tests/test_ttt.py). Where each trick pays, and by how
+checked against the unchunked table in tests/core/test_ttt.py). Where each trick pays, and by how
 much, is in docs/cpu-performance.md.
 """

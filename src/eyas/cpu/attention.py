@@ -3,10 +3,10 @@
 
 - `sdpa_grouped` (speculative verification, `runtime.runners.TargetRunner`): transformers' sdpa
   attention without its copy of every KV head per query head under a mask; bit-identical to it
-  (tests/test_speculative.py).
+  (tests/core/test_speculative.py).
 - `gqa_attention` (batched regeneration, `regenerate`): a few queries per row over a long
   preallocated cache without eager attention's `repeat_kv`; same greedy answers as eager
-  attention (tests/test_data.py).
+  attention (tests/stages/test_data.py).
 """
 
 from __future__ import annotations
