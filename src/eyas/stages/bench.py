@@ -6,6 +6,10 @@ relative to), `hf` (transformers `generate()`), `pld` (HF prompt-lookup decoding
 (eyas, k drafts), `tree` (eyas, EAGLE-2 dynamic tree), and `chain+lookup` / `tree+lookup`
 (the same draft plus a prompt-lookup branch, verified in the same forward).
 
+`--serve vllm` measures in the real engine instead (eyas.serve.vllm_serve_bench): vLLM alone, with
+the drafter and with its model-free speculation, at several concurrency levels, eyas's runtime
+(this module's `measure`) beside it on the same prompts and k.
+
 Acceptance length = mean over verification steps of (accepted draft tokens + 1): the number
 of tokens one target forward produces. Per-position acceptance[i] = share of steps whose
 first i+1 drafts (tree: depth i+1) were all accepted.
@@ -54,6 +58,8 @@ CPU_CUTOFF = 0.1
 # prompts tree 1.65x -> 1.73x, chain 1.48x -> 1.53x.
 CPU_BF16_CUTOFF = 0.05
 ENGINES = ("eyas", "sglang", "vllm")  # = runtime.ENGINES (runtime is imported lazily: transformers)
+SERVE_CONCURRENCY = "1,4,16"  # --concurrency: one request at a time, a few, a busy server
+SERVE_ENGINES = ("vllm",)  # real engines `--serve` can start (SGLang's CPU path needs a kernel not on PyPI)
 
 
 def register(sub) -> None:
@@ -94,9 +100,26 @@ def register(sub) -> None:
                    help=f"length of the +lookup branch (default {LOOKUP_TOKENS})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (default 1.0)")
-    p.add_argument("--baselines", default="plain,hf,pld", help="comma list of plain, hf, pld (plain is always run)")
+    p.add_argument("--baselines", default=None, help="comma list of plain, hf, pld (plain is always run; default "
+                   "plain,hf,pld, with --serve plain)")
     p.add_argument("--engine", default="eyas", choices=ENGINES,
                    help="run the checkpoint as eyas does, or as SGLang / vLLM would load and feed it")
+    p.add_argument("--serve", choices=SERVE_ENGINES,
+                   help="serve the target in the real engine (vLLM, installed beside eyas), without and with the "
+                   "drafter and with the engine's model-free speculation, at each --concurrency, from the engine's "
+                   "own counters; eyas's runtime runs the same drafter, prompts and --k beside it (--engine stays "
+                   "eyas's emulation of an engine's loader). --drafter: an eyas checkpoint or training run "
+                   "(exported into --out as vllm-drafter/) or a vllm / speculators export")
+    p.add_argument("--concurrency", default=None, metavar="N,..",
+                   help="with --serve: requests in flight, one level per number (1 = one request at a time; "
+                   f"default {SERVE_CONCURRENCY})")
+    p.add_argument("--serve-methods", default=None, metavar="M,..",
+                   help="with --serve: engine speculation to run beside the target alone: drafter (EAGLE-3 with "
+                   "--drafter), ngram (prompt lookup), suffix (suffix decoding; vLLM needs the arctic-inference "
+                   "package). Default: drafter (with --drafter), ngram, and suffix where installed")
+    p.add_argument("--eager", action="store_true",
+                   help="with --serve: skip vLLM's compilation (enforce_eager: faster start, slower decoding; "
+                   "default: compiled, the engine's fastest configuration)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "auto"),
                    help="fp32 (default: greedy output checked token for token against plain decoding), bf16, or "
                    "auto = bf16 on CUDA and AMX CPUs, else fp32 (measured faster for decoding on a CPU with "
@@ -298,8 +321,19 @@ def kind(method: str) -> str:
 
 def check_args(args) -> None:
     """Numbers bench cannot run with: exit 2 before the target loads. Resolves the default --methods."""
-    if args.methods is None:
-        args.methods = DEFAULT_METHODS if args.engine == "eyas" else ENGINE_METHODS
+    if args.methods is None:  # a real engine serves a chain: eyas's runtime runs the same beside it
+        args.methods = "chain" if getattr(args, "serve", None) else \
+            DEFAULT_METHODS if args.engine == "eyas" else ENGINE_METHODS
+    if getattr(args, "baselines", None) is None:
+        args.baselines = "plain" if getattr(args, "serve", None) else "plain,hf,pld"
+    if not getattr(args, "serve", None):
+        given = [f for f, v in (("--concurrency", getattr(args, "concurrency", None)),
+                                ("--serve-methods", getattr(args, "serve_methods", None)),
+                                ("--eager", getattr(args, "eager", False))) if v]
+        if given:
+            raise EyasError(f"{', '.join(given)}: only with --serve vllm (the real engine); add it, or drop them")
+    elif getattr(args, "concurrency", None) is None:
+        args.concurrency = SERVE_CONCURRENCY
     method_list(args, [])  # unknown, repeated or engine-less methods and baselines
     for flag, v in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit),
                     ("--threads", args.threads), ("--max-prompt-tokens", args.max_prompt_tokens),
@@ -319,11 +353,30 @@ def check_args(args) -> None:
 
 
 def run(args) -> int:
-    from eyas import runtime
+    if getattr(args, "serve", None):  # the real engine: eyas.serve.vllm_serve_bench drives it
+        from eyas.serve import vllm_serve_bench
 
+        return vllm_serve_bench.run(args)
     check_args(args)
     refuse_out_over_inputs(args.out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts,
                                       "--target": targets.local_dir(args.target)})
+    report, results, prompts, tok = measure(args)
+    with atomic_dir(Path(args.out), args.force) as tmp:
+        write_report(tmp, report, results, prompts, tok)
+    report["out"] = str(Path(args.out).resolve())
+    emit(args, report["summary"] | {"out": report["out"]}, human_summary(report))
+    mism = report["summary"].get("greedy_mismatches")
+    if args.dtype == "fp32" and args.temperature <= 0 and mism:
+        raise FindingsError(f"eyas greedy output differs from plain greedy decoding on {mism} prompt(s) in fp32; "
+                            f"see {report['out']}/report.json (a runtime bug: please report it)")
+    return 0
+
+
+def measure(args) -> tuple[dict, dict[str, list[dict]], list[dict], object]:
+    """Load the target and drafters, run every method on every prompt: (report, results, prompts,
+    tokenizer). `args` as `check_args` left them; nothing is written."""
+    from eyas import runtime
+
     device = targets.parse_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -373,15 +426,7 @@ def run(args) -> int:
             mine = [m for m in methods if drafter_of(m, names) == name]
             gap |= first_draft_gap(tr, dr, prompts, results, mine, s, last_eval(Path(path).parent))
         report["summary"]["first_draft_gap"] = gap
-    with atomic_dir(Path(args.out), args.force) as tmp:
-        write_report(tmp, report, results, prompts, tok)
-    report["out"] = str(Path(args.out).resolve())
-    emit(args, report["summary"] | {"out": report["out"]}, human_summary(report))
-    mism = report["summary"].get("greedy_mismatches")
-    if args.dtype == "fp32" and args.temperature <= 0 and mism:
-        raise FindingsError(f"eyas greedy output differs from plain greedy decoding on {mism} prompt(s) in fp32; "
-                            f"see {report['out']}/report.json (a runtime bug: please report it)")
-    return 0
+    return report, results, prompts, tok
 
 
 def bench_loop(methods, model, runners: dict, prompts, s, device, repeats: int = 1) -> dict[str, list[dict]]:

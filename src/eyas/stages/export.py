@@ -69,25 +69,50 @@ def run_convert(args) -> int:
 
 
 def _write(args, src: Path, layout: str, fmt: str, picked: str) -> int:
-    cfg, state, imported = engines.import_checkpoint(src, layout, target=args.target)
-    meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": imported.get("aux_layer_ids_source"),
-            **({"trained": imported["eyas"]} if "eyas" in imported else {}), "provenance": provenance(args)}
-    out = Path(args.out)
-    refuse_out_over_inputs(out, {"source": src, "--target": targets.local_dir(args.target)})
-    with atomic_dir(out, force=args.force) as tmp:
-        notes = engines.write_layout(cfg, state, fmt, tmp, target=args.target, meta=meta)
-        notes += [imported["note"]] if imported.get("note") else []
-        problems = engines.static_check(tmp, fmt, expected=cfg, target=args.target)
-        other = targets.trained_for_other(src, engines.target_dir(args.target)) if args.target else None
-        problems += [f"{other}: pass the drafter's own --target"] if other else []
-        if fmt != "eyas":
-            notes += engines.engine_reading(tmp, fmt, engines.target_dir(args.target)).notes
-        if problems and not args.force:
-            raise FindingsError(f"refused to write {out} for {fmt}: " + "; ".join(problems)
-                                + " (fix the drafter, or pass --force to write it anyway)")
-    summary = {"source": str(src), "picked": picked, "from": layout, "to": fmt, "out": str(out),
-               "aux_layer_ids_hf": list(cfg.aux_layer_ids), "problems": problems, "notes": notes}
-    human = [f"wrote {out} ({fmt}) from {src} ({picked}); aux layers (HF index) {cfg.aux_layer_ids}"]
-    human += [f"  warning: {p}" for p in problems] + [f"  note: {n}" for n in notes]
+    summary = write_export(src, layout, fmt, Path(args.out), target=args.target, force=args.force, args=args)
+    summary["picked"] = picked
+    human = [f"wrote {summary['out']} ({fmt}) from {src} ({picked}); aux layers (HF index) "
+             f"{summary['aux_layer_ids_hf']}"]
+    human += [f"  warning: {p}" for p in summary["problems"]] + [f"  note: {n}" for n in summary["notes"]]
+    if fmt in SERVED_BY_VLLM:
+        line = vllm_line(Path(summary["out"]), args.target)
+        summary["vllm"] = {"speculative_config": line.speculative_config, "python": line.python, "cli": line.cli,
+                           "rule": line.rule}
+        human += ["serve it in vLLM (" + line.rule + "):", f"  {line.python}", f"  {line.cli}"]
     emit(args, summary, "\n".join(human))
     return 0
+
+
+SERVED_BY_VLLM = ("vllm", "speculators")  # layouts vLLM's eagle3 method loads as they are
+
+
+def vllm_line(drafter_dir: Path, target):
+    """The vLLM invocation for an exported drafter, with the default k (nothing measured yet)."""
+    from eyas.serve import vllm_engine
+
+    tdir = engines.target_dir(target) if target else None
+    return vllm_engine.deployment_line(tdir or "TARGET", Path(drafter_dir).resolve())
+
+
+def write_export(src: Path, layout: str, fmt: str, out: Path, *, target=None, force: bool = False,
+                 args=None) -> dict:
+    """Write `src` (in `layout`) to `out` as `fmt`, then check it as that engine would load it;
+    refuses (FindingsError, nothing written) a drafter the engine would load broken unless `force`.
+    Returns the summary `eyas export --json` prints."""
+    cfg, state, imported = engines.import_checkpoint(src, layout, target=target)
+    meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": imported.get("aux_layer_ids_source"),
+            **({"trained": imported["eyas"]} if "eyas" in imported else {}), "provenance": provenance(args)}
+    refuse_out_over_inputs(out, {"source": src, "--target": targets.local_dir(target)})
+    with atomic_dir(out, force=force) as tmp:
+        notes = engines.write_layout(cfg, state, fmt, tmp, target=target, meta=meta)
+        notes += [imported["note"]] if imported.get("note") else []
+        problems = engines.static_check(tmp, fmt, expected=cfg, target=target)
+        other = targets.trained_for_other(src, engines.target_dir(target)) if target else None
+        problems += [f"{other}: pass the drafter's own --target"] if other else []
+        if fmt != "eyas":
+            notes += engines.engine_reading(tmp, fmt, engines.target_dir(target)).notes
+        if problems and not force:
+            raise FindingsError(f"refused to write {out} for {fmt}: " + "; ".join(problems)
+                                + " (fix the drafter, or pass --force to write it anyway)")
+    return {"source": str(src), "from": layout, "to": fmt, "out": str(out),
+            "aux_layer_ids_hf": list(cfg.aux_layer_ids), "problems": problems, "notes": notes}
