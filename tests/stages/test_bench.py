@@ -273,3 +273,32 @@ def test_method_stats_and_step_cost_from_known_steps():
     step_cost(st, plain)  # one step: 4.0 s / 4 steps = 1.0 s; one plain token: 0.2 s
     assert st["step_cost"]["total"] == pytest.approx(5.0)
     assert st["step_cost"]["target"] == pytest.approx(5.0 * 2.5 / 4)
+
+
+def test_every_command_takes_a_training_run_for_its_drafter(eyas_cli, tiny_target, drafter_dir, prompt_file,
+                                                            tmp_path):
+    """A run directory stands for its best/ (else final/) in bench, export and vocab remap alike
+    (formats.checkpoint.resolve_drafter); a directory with neither is one clear error."""
+    import shutil
+
+    from eyas.formats.checkpoint import resolve_drafter
+
+    run = tmp_path / "run"
+    shutil.copytree(drafter_dir, run / "final")
+    assert resolve_drafter(run) == (run / "final", "final/ of the run")
+    shutil.copytree(drafter_dir, run / "best")
+    assert resolve_drafter(run) == (run / "best", "best/ of the run")
+    assert resolve_drafter(run / "final")[0] == run / "final"
+    code, out, err = eyas_cli("bench", "--target", tiny_target, "--drafter", run, "--prompts", prompt_file,
+                              "--max-new-tokens", "4", "--k", "2", "--limit", "1", "--methods", "chain",
+                              "--baselines", "plain", "--out", tmp_path / "rep", "--json")
+    assert code == 0, err
+    assert json.loads(out)["drafter"] == str(run / "best")
+    code, _, err = eyas_cli("export", run, "--to", "sglang", "--target", tiny_target, "--out", tmp_path / "sg")
+    assert code == 0, err
+    (tmp_path / "empty").mkdir()
+    for argv in (("bench", "--target", tiny_target, "--drafter", tmp_path / "empty", "--prompts", prompt_file,
+                  "--out", tmp_path / "rep2"),
+                 ("export", tmp_path / "empty", "--to", "vllm", "--out", tmp_path / "x")):
+        code, _, err = eyas_cli(*argv)
+        assert code == 2 and "no drafter checkpoint here or in best/ or final/" in err, err

@@ -235,3 +235,22 @@ def load_checkpoint(ckpt: Path, target_embedding: torch.Tensor | None = None) ->
     meta_file = ckpt / "eyas.json"
     meta = read_json(meta_file) if meta_file.exists() else {}
     return drafter, meta
+
+
+def resolve_drafter(path: Path) -> tuple[Path, str]:
+    """The checkpoint a drafter argument names, as every command that takes a drafter reads it:
+    the directory itself when it holds a checkpoint (any layout: a config.json beside it), else a
+    training run's best/, else its final/. Returns (directory, what was picked)."""
+    path = Path(path)
+    if path.is_file():
+        raise EyasError(f"{path} is a file, not a checkpoint directory; pass the directory that holds it "
+                        f"({path.parent})")
+    if not path.is_dir():
+        raise EyasError(f"{path}: no such directory; pass a drafter checkpoint or a training run directory")
+    if (path / "config.json").is_file():
+        return path, "the checkpoint given"
+    for name in ("best", "final"):
+        if (path / name / "config.json").is_file():
+            return path / name, f"{name}/ of the run"
+    raise EyasError(f"{path}: no drafter checkpoint here or in best/ or final/; pass a checkpoint directory or the "
+                    "run directory `eyas train` wrote")

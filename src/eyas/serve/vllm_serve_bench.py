@@ -96,15 +96,15 @@ def check_serve_args(args) -> tuple[list[int], list[str]]:
 # ---------------------------------------------------------------- the drafter
 
 
-def resolve_drafter(path: Path, tmp: Path, final: Path, target: Path, args) -> dict:
+def drafter_sides(path: Path, tmp: Path, final: Path, target: Path, args) -> dict:
     """How each side gets the drafter: {eyas: (dir, engine) for eyas's runtime, served: the
     directory vLLM loads now, deployed: its path once --out is in place, exported: bool}.
     An eyas checkpoint (or a run: its best/, else final/) is exported to the vllm layout in --out."""
     from eyas.stages import export
 
-    path = Path(path)
-    if ckpt_io.is_eyas_checkpoint(path) or not (path / "config.json").is_file():
-        ckpt, picked = export.pick_checkpoint(path)
+    path, picked = ckpt_io.resolve_drafter(Path(path))
+    if ckpt_io.is_eyas_checkpoint(path):
+        ckpt = path
         export.write_export(ckpt, "eyas", "vllm", tmp / DRAFTER_DIR, target=str(target), args=args)
         log.info("exported %s (%s) to the vllm layout: %s", ckpt, picked, final / DRAFTER_DIR)
         return {"eyas": (ckpt, "eyas"), "served": tmp / DRAFTER_DIR, "deployed": final / DRAFTER_DIR,
@@ -405,7 +405,7 @@ def run(args) -> int:
                                  "--target": targets.local_dir(args.target)})
     target = targets.resolve(args.target)
     with atomic_dir(out, args.force) as tmp:
-        drafter = resolve_drafter(Path(args.drafter[0]), tmp, out.resolve(), target, args) if args.drafter else None
+        drafter = drafter_sides(Path(args.drafter[0]), tmp, out.resolve(), target, args) if args.drafter else None
         ereport, eresults, prompts, tok = eyas_side(args, drafter and drafter["eyas"])
         # the drafter runs use the line eyas prints (export's default, with this run's k)
         spec_cfg = vllm_engine.deployment_line(target, drafter["served"], dtype=args.dtype, k=args.k) \

@@ -357,6 +357,10 @@ def run(args) -> int:
         from eyas.serve import vllm_serve_bench
 
         return vllm_serve_bench.run(args)
+    if args.drafter:  # a training run stands for its best/ (else final/), as in every command taking a drafter
+        from eyas.formats.checkpoint import resolve_drafter
+
+        args.drafter = [str(resolve_drafter(Path(p))[0]) for p in args.drafter]
     check_args(args)
     refuse_out_over_inputs(args.out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts,
                                       "--target": targets.local_dir(args.target)})

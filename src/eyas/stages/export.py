@@ -43,19 +43,13 @@ def _common(p, formats) -> None:
 
 
 def pick_checkpoint(run: Path) -> tuple[Path, str]:
-    """An eyas checkpoint directory for RUN: RUN itself, else RUN/best, else RUN/final."""
-    run = Path(run)
-    if not run.is_dir():
-        raise EyasError(f"{run}: no such directory; pass an eyas checkpoint or a training run directory")
-    if ckpt_io.is_eyas_checkpoint(run):
-        return run, "the checkpoint given"
-    for name in ("best", "final"):
-        if ckpt_io.is_eyas_checkpoint(run / name):
-            return run / name, f"{name}/ of the run"
-    if (run / "config.json").is_file():
-        raise EyasError(f"{run} is not an eyas checkpoint (layout {engines.detect_layout(run)}); "
+    """An eyas checkpoint directory for RUN (`formats.checkpoint.resolve_drafter`), which must be in
+    eyas's layout (other layouts: `eyas convert`)."""
+    ckpt, picked = ckpt_io.resolve_drafter(run)
+    if not ckpt_io.is_eyas_checkpoint(ckpt):
+        raise EyasError(f"{ckpt} is not an eyas checkpoint (layout {engines.detect_layout(ckpt)}); "
                         "use `eyas convert` for other layouts")
-    raise EyasError(f"{run}: no eyas checkpoint here or in best/ or final/; pass the directory `eyas train` wrote")
+    return ckpt, picked
 
 
 def run_export(args) -> int:

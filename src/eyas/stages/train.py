@@ -259,6 +259,7 @@ def fresh_drafter(tcfg, ids: torch.Tensor, aux: list[int], embed: torch.Tensor, 
 def _read_init(ckpt: Path) -> tuple[DrafterConfig, dict, dict]:
     from eyas.formats import checkpoint as ck
 
+    ckpt, _ = ck.resolve_drafter(ckpt)  # a training run stands for its best/ (else final/)
     if ck.is_eyas_checkpoint(ckpt):
         d, meta = ck.load_checkpoint(ckpt)
         return d.cfg, d.trainable_state_dict(), meta

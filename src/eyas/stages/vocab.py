@@ -183,6 +183,7 @@ def remap(drafter: Path, to: Path, target: str, out: Path, force: bool = False) 
     if out.exists() and any(out.iterdir()) and not force:
         raise EyasError(f"--out {out} exists and is not empty; pass --force or choose another path")
     refuse_out_over_inputs(out, {"--drafter": drafter, "--to": to})
+    drafter, _ = ckpt_io.resolve_drafter(drafter)  # a training run stands for its best/ (else final/)
     old = fvocab.read_checkpoint_vocab(drafter, need_head=False)
     path = targets.resolve(target)
     V = targets.load_config(path).vocab_size
