@@ -5,41 +5,54 @@ would load broken. Orchestration only; the formats live in eyas.formats.engines.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from eyas import targets
+from eyas.config import arg, command
 from eyas.errors import EyasError, FindingsError
 from eyas.formats import checkpoint as ckpt_io
 from eyas.formats import engines
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs
+from eyas.stages.common import atomic_dir, emit, provenance, refuse_out_over_inputs
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """`eyas export`: an eyas checkpoint (or a training run) to an engine layout."""
+
+    run: str = arg("eyas checkpoint directory, or a training run directory with best/ or final/", positional=True)
+    to: str = arg("output format", choices=engines.ENGINES)
+    out: Path = arg("output directory (must be new or empty unless --force)")
+    target: str | None = arg("target directory or built-in name: adds embed_tokens.weight where the format needs "
+                             "it, resolves default aux layers, and is the speculators verifier path", None)
+    force: bool = arg("replace --out and write even when static checks fail", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertConfig:
+    """`eyas convert`: a drafter from any layout to another."""
+
+    src: str = arg("drafter directory (eyas, SGLang/SpecForge/EAGLE midlayer.*, speculators, vLLM)", positional=True)
+    layout: str | None = arg("input layout (default: detected)", None, flag="--from", choices=engines.LAYOUTS)
+    to: str = arg("output format", choices=engines.LAYOUTS)
+    out: Path = arg("output directory (must be new or empty unless --force)")
+    target: str | None = arg("target directory or built-in name: adds embed_tokens.weight where the format needs "
+                             "it, resolves default aux layers, and is the speculators verifier path", None)
+    force: bool = arg("replace --out and write even when static checks fail", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
 def register(sub) -> None:
-    e = sub.add_parser("export", help="write an eyas drafter for SGLang, vLLM, speculators or SpecForge/EAGLE",
-                       description="Export an eyas checkpoint (or a training run directory: its best/, else "
-                       "final/) to an engine layout, then check it the way that engine would load it; a "
-                       "checkpoint that would load broken is refused (exit 1, nothing written) unless --force.")
-    e.add_argument("run", help="eyas checkpoint directory, or a training run directory with best/ or final/")
-    _common(e, engines.ENGINES)
-    e.set_defaults(func=run_export)
-    c = sub.add_parser("convert", help="convert a drafter between eyas, SGLang, vLLM, speculators, EAGLE layouts",
-                       description="Read a drafter in any supported layout (detected, or --from) strictly and "
-                       "write it as --to FORMAT, then run the static checks for that format.")
-    c.add_argument("src", help="drafter directory (eyas, SGLang/SpecForge/EAGLE midlayer.*, speculators, vLLM)")
-    c.add_argument("--from", dest="layout", choices=engines.LAYOUTS, help="input layout (default: detected)")
-    _common(c, engines.LAYOUTS)
-    c.set_defaults(func=run_convert)
-
-
-def _common(p, formats) -> None:
-    p.add_argument("--to", required=True, choices=formats, help="output format")
-    p.add_argument("--out", required=True, type=Path, help="output directory (must be new or empty unless --force)")
-    p.add_argument("--target", help="target directory or built-in name: adds embed_tokens.weight where the "
-                   "format needs it, resolves default aux layers, and is the speculators verifier path")
-    p.add_argument("--force", action="store_true", help="replace --out and write even when static checks fail")
-    add_json_flag(p)
+    command(sub, "export", ExportConfig, run_export, help="write an eyas drafter for SGLang, vLLM, speculators or "
+            "SpecForge/EAGLE", description="Export an eyas checkpoint (or a training run directory: its best/, "
+            "else final/) to an engine layout, then check it the way that engine would load it; a checkpoint that "
+            "would load broken is refused (exit 1, nothing written) unless --force.")
+    command(sub, "convert", ConvertConfig, run_convert, help="convert a drafter between eyas, SGLang, vLLM, "
+            "speculators, EAGLE layouts", description="Read a drafter in any supported layout (detected, or "
+            "--from) strictly and write it as --to FORMAT, then run the static checks for that format.")
 
 
 def pick_checkpoint(run: Path) -> tuple[Path, str]:
@@ -52,12 +65,12 @@ def pick_checkpoint(run: Path) -> tuple[Path, str]:
     return ckpt, picked
 
 
-def run_export(args) -> int:
+def run_export(args: ExportConfig) -> int:
     ckpt, picked = pick_checkpoint(args.run)
     return _write(args, ckpt, "eyas", args.to, picked)
 
 
-def run_convert(args) -> int:
+def run_convert(args: ConvertConfig) -> int:
     layout = args.layout or engines.detect_layout(Path(args.src))
     return _write(args, Path(args.src), layout, args.to, f"layout {layout}")
 
