@@ -482,3 +482,43 @@ def test_sharded_drafter_missing_shard_exits_2(healthy, eyas_cli, tmp_path):
         code, out, err = eyas_cli(*args)
         assert code == 2 and err.count("\n") <= 1, err
         assert "model.safetensors.index.json" in err and "model-00002-of-00002.safetensors" in err
+
+
+# ---------------------------------------------------------------- one reading of a checkpoint (issue 57)
+
+
+def test_failed_engine_reading_is_an_error_not_a_fallback(healthy, eyas_cli):
+    """The doctor reads through eyas.formats.engines; when that strict reading fails for an engine,
+    the failure is an error carrying the reader's message (no lenient second reading)."""
+    def drop(c):
+        del c["transformer_layer_config"]
+    ck = variant(healthy, "speculators", "no_layer_cfg", config=drop)
+    code, rep = doctor(eyas_cli, ck, "--engine", "vllm")
+    refuses = [f for f in rep["findings"] if f["id"] == "EYAS-ENGINE-REFUSES" and f["engine"] == "vllm"]
+    assert code == 1 and refuses and refuses[0]["severity"] == "error"
+    assert "missing" in refuses[0]["message"] and "hidden_size" in refuses[0]["message"], refuses[0]["message"]
+
+
+def test_t2d_mismatch_grades_by_engines_that_read_it(healthy, eyas_cli):
+    """vLLM and SGLang drop t2d on load (the engine tables say so): a stale t2d is a warning for them."""
+    def first_n(sd):
+        t = torch.zeros_like(sd["t2d"])
+        t[: sd["d2t"].numel()] = True
+        sd["t2d"] = t
+    ck = variant(healthy, "vllm", "t2d_first_n", tensors=first_n)
+    code, rep = doctor(eyas_cli, ck, "--engine", "vllm")
+    assert code == 0 and "EYAS-T2D-MISMATCH" in ids_of(rep, "warning")
+    code, rep = doctor(eyas_cli, ck, "--engine", "speculators")
+    assert "EYAS-T2D-MISMATCH" in ids_of(rep, "error")
+
+
+def test_arch_source_is_named(healthy, eyas_cli, tiny_target):
+    from eyas.doctor.with_target import arch_support
+    from eyas.serve.vllm_engine import unavailable
+
+    ok, source = arch_support("vllm", "LlamaForCausalLM")
+    assert ok and (("installed vLLM" in source) if unavailable() is None else source.startswith("stored list"))
+    assert arch_support("sglang", "LlamaForCausalLM")[1].startswith("stored list")
+    code, rep = doctor(eyas_cli, healthy["vllm"], "--engine", "vllm", "--target", tiny_target)
+    arch = [f for f in rep["findings"] if f["id"].startswith("EYAS-ARCH")]
+    assert arch and "source:" in arch[0]["message"]

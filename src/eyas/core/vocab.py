@@ -68,8 +68,30 @@ def target_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), dtype=torch.long) + d2t.long()
 
 
-def _strictly_increasing(x: torch.Tensor) -> bool:
+def strictly_increasing(x: torch.Tensor) -> bool:
     return bool((x[1:] > x[:-1]).all()) if x.numel() > 1 else True
+
+
+def in_vocab(ids: torch.Tensor, vocab_size: int | None) -> bool:
+    """All ids non-negative and, when the vocabulary size is known, below it."""
+    return bool((ids >= 0).all()) and (vocab_size is None or bool((ids < vocab_size).all()))
+
+
+def looks_absolute(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int | None) -> bool:
+    """Whether `d2t` holds absolute target ids instead of offsets (a known export bug): t2d marks
+    d2t's own values, or d2t reads as a sorted id list while `arange(N) + d2t` leaves the vocabulary.
+    (For a strictly increasing d2t the target ids are increasing too, so only range can fail.)"""
+    d = d2t.long()
+    tgt = target_ids(d)
+    if t2d is not None and marks_own_values(t2d, d, tgt):
+        return True
+    return d.numel() > 1 and strictly_increasing(d) and in_vocab(d, vocab_size) and not in_vocab(tgt, vocab_size)
+
+
+def t2d_agrees(t2d: torch.Tensor, tgt: torch.Tensor) -> bool:
+    """`nonzero(t2d) == tgt` (tgt sorted ascending): t2d marks exactly the draft vocabulary."""
+    held = torch.nonzero(t2d.bool()).flatten()
+    return held.numel() == tgt.numel() and torch.equal(held, tgt)
 
 
 def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = None) -> None:
@@ -89,23 +111,20 @@ def check_maps(d2t: torch.Tensor, t2d: torch.Tensor, target_size: int | None = N
     if N == 0 or N > V:
         raise VocabMapError(f"draft vocabulary size {N} must lie in 1..{V}")
     tgt = target_ids(d2t)
-    in_range = bool(((tgt >= 0) & (tgt < V)).all())
-    d = d2t.long()
-    looks_absolute = _strictly_increasing(d) and bool(((d >= 0) & (d < V)).all())
-    if marks_own_values(t2d, d, tgt) or ((not in_range or not _strictly_increasing(tgt)) and looks_absolute):
+    if looks_absolute(d2t, t2d, V):
         raise VocabMapError("d2t holds absolute target ids, not offsets (target_id = i + d2t[i]); "
                             "fix: store d2t = ids - arange(N)")
-    if not in_range:
+    if not in_vocab(tgt, V):
         raise VocabMapError(f"d2t maps draft ids to target ids outside 0..{V - 1} "
                             f"(min {int(tgt.min())}, max {int(tgt.max())}); rebuild the vocabulary")
-    if not _strictly_increasing(tgt):
+    if not strictly_increasing(tgt):
         raise VocabMapError("d2t maps two draft ids to the same target id or is not sorted ascending; "
                             "rebuild the vocabulary (eyas vocab build)")
     if t2d.dtype != torch.bool:
         raise VocabMapError(f"t2d has dtype {t2d.dtype}; it must be bool [V]")
-    held = torch.nonzero(t2d).flatten()
-    if held.numel() != N or not torch.equal(held, tgt):
-        raise VocabMapError(f"t2d is inconsistent with d2t: t2d marks {held.numel()} ids, d2t maps {N}, "
+    if not t2d_agrees(t2d, tgt):
+        held = int(t2d.sum())
+        raise VocabMapError(f"t2d is inconsistent with d2t: t2d marks {held} ids, d2t maps {N}, "
                             "and nonzero(t2d) != arange(N) + d2t; rebuild t2d from d2t")
 
 
@@ -131,7 +150,7 @@ def ascending_order(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor | None
     if d2t.dim() != 1 or t2d.dim() != 1 or d2t.dtype.is_floating_point:
         return None
     tgt = target_ids(d2t)
-    if _strictly_increasing(tgt) or not bool(((tgt >= 0) & (tgt < t2d.numel())).all()):
+    if strictly_increasing(tgt) or not bool(((tgt >= 0) & (tgt < t2d.numel())).all()):
         return None
     if torch.unique(tgt).numel() != tgt.numel() or marks_own_values(t2d, d2t, tgt):
         return None

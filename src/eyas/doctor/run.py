@@ -9,9 +9,10 @@ from pathlib import Path
 from eyas.doctor import dynamic, static, vocab_check, with_target
 from eyas.doctor.findings import INFO, Report, make
 from eyas.doctor.reading import detect_layout, engine_views, read_raw
+from eyas.formats.engines import SERVING
 
 log = logging.getLogger(__name__)
-ALL_ENGINES = ("sglang", "vllm", "speculators")
+ALL_ENGINES = SERVING  # one list of engines, owned by eyas.formats.engines
 # Engines that serve a layout as it is. With `--engine all`, problems under the other engines
 # are warnings (the checkpoint is converted before it is served there); naming an engine
 # with `--engine` makes its problems errors.
@@ -37,28 +38,30 @@ class DoctorOptions:
 
 def diagnose(opt: DoctorOptions) -> Report:
     raw = read_raw(opt.ckpt)
-    layout = detect_layout(raw)
+    layout, why = detect_layout(raw)
     rep = Report(str(opt.ckpt), layout)
     rep.add(make("EYAS-LAYOUT", f"layout {layout}; weights {raw.weights_file.name}; {len(raw.tensors)} tensors",
                  evidence={"layout": layout, "weights": str(raw.weights_file)}))
     if layout == "unknown":
-        rep.add(make("EYAS-LAYOUT-UNKNOWN", "no midlayer.* / layers.0.* / fc.weight keys: not an EAGLE-3 drafter",
-                     evidence={"keys": sorted(raw.tensors)[:10]}, cause="the directory holds another kind of model.",
-                     fix="pass an EAGLE-3 drafter checkpoint directory"))
+        rep.add(make("EYAS-LAYOUT-UNKNOWN", why, evidence={"keys": sorted(raw.tensors)[:10]},
+                     cause="no engine finds an EAGLE-3 decoder layer under names it maps (every engine refuses "
+                     "it or runs the layer random).", fix="pass an EAGLE-3 drafter checkpoint directory, or rename "
+                     "the layer to midlayer.* (eyas convert)"))
         return rep
-    views = engine_views(raw, layout, list(opt.engines))
+    views, failed = engine_views(raw, list(opt.engines))
     strict = set(opt.engines) if opt.explicit_engine else set(NATIVE.get(layout, ()))
     rep.measurements["engines"] = {e: _view_summary(r) for e, r in views.items()}
     rep.extend(static.check_finite(raw))
     rep.extend(static.check_shapes(raw, layout))
-    rep.extend(static.check_vocab_maps(raw))
+    rep.extend(static.check_vocab_maps(raw, list(opt.engines)))
     rep.extend(static.check_init(raw, layout))
     rep.extend(static.check_dtypes(raw))
     if layout == "eyas":
         rep.add(make("EYAS-LAYOUT", "eyas layout: engines read it after `eyas export --to ENGINE`; engine key and "
                      "aux-id checks apply to the export", severity=INFO))
     else:
-        fs = static.check_keys(raw, views) + static.check_engine_errors(views) + static.check_aux(raw, layout, views)
+        fs = static.check_keys(raw, views) + static.check_engine_errors(views, failed) + \
+            static.check_aux(raw, layout, views) + static.check_shared_fields(raw, views)
         rep.extend(_soften(fs, strict, layout))
     if opt.against:
         rep.extend(vocab_check.against(raw, opt.against))
@@ -122,5 +125,4 @@ def _soften(fs: list, strict: set[str], layout: str) -> list:
 
 def _view_summary(r) -> dict:
     return {"missing": list(r.missing), "skipped": list(r.skipped), "aux_layer_ids_hf": r.aux_layer_ids_hf,
-            "aux_alt_hf": getattr(r, "aux_alt_hf", None), "use_aux": r.use_aux, "notes": list(r.notes),
-            "errors": list(getattr(r, "errors", []) or [])}
+            "aux_alt_hf": r.aux_alt_hf, "use_aux": r.use_aux, "notes": list(r.notes), "errors": list(r.errors)}

@@ -12,6 +12,7 @@ import math
 import torch
 
 from eyas.core import vocab as core_vocab
+from eyas.formats import engines
 from eyas.doctor.findings import ERROR, INFO, WARNING, Finding, make
 from eyas.doctor.reading import REQUIRED, EngineReading, RawCheckpoint, intended_aux_ids
 
@@ -31,19 +32,33 @@ def cfg_get(c: dict, key: str, default=None):
 # ---------------------------------------------------------------- keys per engine
 
 
+def _is_norm_gain(key: str) -> bool:
+    """An RMSNorm gain (norm.weight, midlayer.*layernorm.weight, midlayer.hidden_norm.weight)."""
+    return key == "norm.weight" or key.endswith(("layernorm.weight", "hidden_norm.weight"))
+
+
 def check_keys(raw: RawCheckpoint, views: dict[str, EngineReading]) -> list[Finding]:
     out = []
     for e, r in views.items():
         fix = CONVERT.format(ckpt=raw.path, engine=e)
         missing = [k for k in r.missing if k not in ("d2t", "t2d")]  # EYAS-D2T-MISSING covers d2t
         if missing:
+            # Engines build RMSNorm gains as ones and load nothing over a missing one (vLLM's
+            # Eagle3 load_weights does not check for missing names): served at ones, which a
+            # trained gain stays close to (the SmolLM2 drafter's final norm: within 0.06, vLLM
+            # accepted exactly as much). A missing projection or head is random: acceptance collapses.
+            gains_only = all(_is_norm_gain(k) for k in missing)
             out.append(make("EYAS-KEYS-MISSING", f"{len(missing)} required weight(s) not found under {e}'s names: "
                             f"{', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}",
-                            evidence={"missing": missing}, engine=e, fix=fix,
-                            cause=f"{e} would leave these parameters at random initialisation (acceptance near zero)."))
+                            severity=WARNING if gains_only else ERROR, evidence={"missing": missing}, engine=e,
+                            fix=fix if not gains_only else f"{fix}; measure first: eyas doctor CKPT --target T "
+                            "--prompts FILE",
+                            cause=f"{e} would run these norm gains at their initial ones (harmless only while the "
+                            "trained gains stayed near one, which the file no longer shows)." if gains_only else
+                            f"{e} would leave these parameters at random initialisation (acceptance near zero)."))
         weights = [k for k in r.skipped if k not in ("t2d",)]
         if weights:
-            sev = ERROR if missing else WARNING
+            sev = ERROR if missing and not all(_is_norm_gain(k) for k in missing) else WARNING
             out.append(make("EYAS-KEYS-SKIPPED", f"{e} would silently skip {len(weights)} key(s) in the file: "
                             f"{', '.join(weights[:4])}{' ...' if len(weights) > 4 else ''}",
                             severity=sev, evidence={"skipped": weights}, engine=e, fix=fix,
@@ -144,14 +159,23 @@ def _config_fields(raw: RawCheckpoint, layout: str, d: dict, n_aux: int, Ht) -> 
 # ---------------------------------------------------------------- d2t / t2d
 
 
-def _strict_inc(x: torch.Tensor) -> bool:
-    return bool((x[1:] > x[:-1]).all()) if x.numel() > 1 else True
+def _vocab_size(raw: RawCheckpoint, t: dict) -> int | None:
+    V = cfg_get(raw.config, "vocab_size")
+    return int(V) if V else (int(t["t2d"].numel()) if "t2d" in t else None)
 
 
-def check_vocab_maps(raw: RawCheckpoint) -> list[Finding]:
+def _t2d_readers(engine_names: list[str]) -> list[str]:
+    """The engines among `engine_names` that read t2d (the tables list it as dropped otherwise)."""
+    return [e for e in engine_names if e in engines.TABLES and "t2d" not in engines.TABLES[e].dropped]
+
+
+def check_vocab_maps(raw: RawCheckpoint, engine_names: list[str] | None = None) -> list[Finding]:
+    """d2t/t2d as the engines read them: the invariants are `core.vocab`'s; what they cost is
+    graded here. A t2d that disagrees with d2t is an error only for an engine that reads t2d
+    (SGLang and vLLM drop it on load: they serve by d2t alone)."""
     t = raw.canonical()
     N = int(t["lm_head.weight"].shape[0]) if "lm_head.weight" in t else None
-    V = raw.config.get("vocab_size") or cfg_get(raw.config, "vocab_size") or (int(t["t2d"].numel()) if "t2d" in t else None)
+    V = _vocab_size(raw, t)
     d2t, t2d = t.get("d2t"), t.get("t2d")
     fix_vocab = f"eyas vocab remap {raw.path} --vocab VOCAB --out OUT (or re-export with the training vocab)"
     if d2t is None:
@@ -167,34 +191,27 @@ def check_vocab_maps(raw: RawCheckpoint) -> list[Finding]:
                      evidence={"dtype": str(d2t.dtype)}, cause="d2t must be int64 offsets [N].", fix=fix_vocab)]
     d = d2t.long()
     n = d.numel()
-    tgt = torch.arange(n) + d  # (N,) target id per draft id under the offset rule
-    held = torch.nonzero(t2d).flatten() if t2d is not None and t2d.dtype == torch.bool else None
-    in_range = bool(((tgt >= 0) & (tgt < V)).all()) if V else bool((tgt >= 0).all())
-    ascending = _strict_inc(tgt)
-    valid = in_range and (ascending or torch.unique(tgt).numel() == n)  # engines only add the offsets
-    d_abs_ok = _strict_inc(d) and bool((d >= 0).all()) and (V is None or bool((d < V).all()))
+    tgt = core_vocab.target_ids(d)  # (N,) target id per draft id under the offset rule
     ev = {"d2t_head": d[:6].tolist(), "min": int(d.min()), "max": int(d.max()), "N": n, "V": V}
-    marks_values = t2d is not None and core_vocab.marks_own_values(t2d, d, tgt)  # t2d marks d2t's own values
-    if marks_values or (d_abs_ok and n > 1 and not valid):
+    if core_vocab.looks_absolute(d, t2d, V):
         return [make("EYAS-D2T-ABSOLUTE", "d2t holds absolute target ids; engines add arange(N) to it",
                      evidence={**ev, "max_target_id_read": int(tgt.max())},
                      cause="d2t must store offsets (target = i + d2t[i]); stored absolute ids shift every "
                      "draft token to a wrong target token.", fix=f"store d2t = ids - arange(N); {fix_vocab}")]
-    if d_abs_ok and n > 16 and int(d[0]) >= 0 and held is None and valid:
-        out = [make("EYAS-D2T-ABSOLUTE", "d2t is strictly increasing (typical of absolute ids, rare for offsets); "
-                    "no t2d to confirm", severity=WARNING, evidence=ev,
-                    cause="offsets of a sorted id list stay flat over runs of consecutive ids; absolute ids never do.",
-                    fix="run `eyas doctor CKPT --target T --prompts FILE` to decide from acceptance")]
-    else:
-        out = []
-    if not valid:
-        dup = int(n - torch.unique(tgt).numel())
+    in_range, unique = core_vocab.in_vocab(tgt, V), torch.unique(tgt).numel() == n
+    if not in_range or not unique:  # engines only add the offsets: the order is free, not the ids
         return [make("EYAS-D2T-INVALID", f"d2t maps draft ids to {'out-of-range' if not in_range else 'repeated'} "
-                     "target ids", evidence={**ev, "duplicates": dup, "min_target": int(tgt.min()),
-                                             "max_target": int(tgt.max())},
+                     "target ids", evidence={**ev, "duplicates": int(n - torch.unique(tgt).numel()),
+                                             "min_target": int(tgt.min()), "max_target": int(tgt.max())},
                      cause="offsets plus positions must give distinct ids inside the target vocabulary.",
                      fix=fix_vocab)]
-    if not ascending:
+    out = []
+    if core_vocab.strictly_increasing(d) and n > 16 and int(d[0]) >= 0 and t2d is None:
+        out.append(make("EYAS-D2T-ABSOLUTE", "d2t is strictly increasing (typical of absolute ids, rare for "
+                        "offsets); no t2d to confirm", severity=WARNING, evidence=ev,
+                        cause="offsets of a sorted id list stay flat over runs of consecutive ids; absolute ids "
+                        "never do.", fix="run `eyas doctor CKPT --target T --prompts FILE` to decide from acceptance"))
+    if not core_vocab.strictly_increasing(tgt):
         out.append(make("EYAS-D2T-UNSORTED", f"d2t lists its {n} target ids out of ascending order",
                         evidence=ev, cause="engines only add the offsets, so the order does not change what is "
                         "drafted; eyas keeps ids ascending and sorts the map, with the lm_head rows, on import.",
@@ -204,16 +221,26 @@ def check_vocab_maps(raw: RawCheckpoint) -> list[Finding]:
         out.append(make("EYAS-D2T-ZERO", f"d2t is all zeros: the draft vocabulary is target ids 0..{n - 1}",
                         evidence=ev, cause="a zero d2t means 'the first N ids', usually a missing or unfilled map "
                         "unless the vocabulary really is the first N ids.", fix=fix_vocab))
-    if t2d is not None:
-        if t2d.dtype != torch.bool:
-            held = torch.nonzero(t2d.bool()).flatten()
-        if held.numel() != n or not torch.equal(held, tgt):
-            agree = int(torch.isin(tgt, held).sum())
-            out.append(make("EYAS-T2D-MISMATCH", f"t2d marks {held.numel()} ids; d2t maps {n}; {agree} agree",
-                            evidence={"t2d_count": int(held.numel()), "d2t_count": n, "agree": agree},
-                            cause="t2d must be true exactly at arange(N) + d2t; one of the two was rebuilt alone.",
-                            fix="rebuild t2d from d2t (eyas vocab remap / re-export)"))
+    if t2d is not None and not core_vocab.t2d_agrees(t2d, tgt):
+        out.append(_t2d_mismatch(t2d, tgt, engine_names))
     return out
+
+
+def _t2d_mismatch(t2d: torch.Tensor, tgt: torch.Tensor, engine_names: list[str] | None) -> Finding:
+    held = torch.nonzero(t2d.bool()).flatten()
+    agree = int(torch.isin(tgt, held).sum())
+    readers = _t2d_readers(list(engine_names or engines.SERVING))
+    # vLLM's Eagle3LlamaForCausalLM.load_weights and SGLang's LlamaForCausalLMEagle3.load_weights
+    # both `continue` past "t2d": for them the map is d2t alone and a stale t2d changes nothing.
+    sev = ERROR if readers else WARNING
+    return make("EYAS-T2D-MISMATCH", f"t2d marks {held.numel()} ids; d2t maps {tgt.numel()}; {agree} agree"
+                + ("" if readers else " (the engines checked never read t2d)"), severity=sev,
+                evidence={"t2d_count": int(held.numel()), "d2t_count": int(tgt.numel()), "agree": agree,
+                          "engines_reading_t2d": readers},
+                cause="t2d must be true exactly at arange(N) + d2t; one of the two was rebuilt alone"
+                + (f" ({', '.join(readers)} reads t2d)." if readers else "; served by d2t alone, but a "
+                   "trainer that resumes from it (speculators) restricts its targets by t2d."),
+                fix="rebuild t2d from d2t (eyas vocab remap / re-export)")
 
 
 # ---------------------------------------------------------------- values
@@ -357,13 +384,85 @@ def check_aux(raw: RawCheckpoint, layout: str, views: dict[str, EngineReading]) 
     return out
 
 
-def check_engine_errors(views: dict[str, EngineReading]) -> list[Finding]:
+def check_engine_errors(views: dict[str, EngineReading], failed: dict[str, str] | None = None) -> list[Finding]:
+    """Engines that would refuse the file, and engines eyas cannot read it as (`failed`: the strict
+    reading of `eyas.formats.engines` raised; the message says why and is an error, not a fallback)."""
     out = []
+    for e, msg in (failed or {}).items():
+        out.append(make("EYAS-ENGINE-REFUSES", f"{e} cannot read this checkpoint: {msg}", engine=e,
+                        evidence={"errors": [msg]}, cause=f"config.json or the weights lack what {e} builds the "
+                        "drafter from, so its loader raises.", fix=CONVERT.format(ckpt="CKPT", engine=e)))
     for e, r in views.items():
-        errs = list(getattr(r, "errors", []) or [])
-        if errs:
-            out.append(make("EYAS-ENGINE-REFUSES", f"{e} would refuse to load: {errs[0]}"
-                            + (f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""), engine=e,
-                            evidence={"errors": errs}, cause=f"{e}'s loader raises on this file.",
+        if r.errors:
+            out.append(make("EYAS-ENGINE-REFUSES", f"{e} would refuse to load: {r.errors[0]}"
+                            + (f" (+{len(r.errors) - 1} more)" if len(r.errors) > 1 else ""), engine=e,
+                            evidence={"errors": list(r.errors)}, cause=f"{e}'s loader raises on this file.",
                             fix=CONVERT.format(ckpt="CKPT", engine=e)))
     return out
+
+
+# ---------------------------------------------------------------- config the engine builds vs the trained one
+
+# How much a field the engine reads differently from training costs (measured against vLLM 0.32
+# with bench/doctor_vs_vllm.py, SmolLM2 drafter, ~100-token contexts, healthy acceptance 3.66).
+# A peer flag changes the layer's function: acceptance collapses. RoPE moved it little (theta
+# 10000 for 100000: 3.34; linear scaling x4: 3.54): the drafter attends mostly to nearby
+# positions, where the rotations differ least, so it is a warning to measure at your context
+# lengths. rms_norm_eps is added to a mean square far larger than it: served unaffected.
+# norm_before_residual read as true for a drafter trained without it (vLLM's default for a
+# speculators config that omits it, algos.update_eagle3) cost little too (3.46): the residual
+# becomes hidden_norm(h) instead of h, close while h's RMS is near one. The other peer flags
+# (norm_before_fc, fc_norm, norm_output) add or drop a norm on the whole path: errors. A smaller max_position_embeddings collapsed acceptance (1.02 against
+# 3.66) although vLLM raises it for the rotary cache
+# (SpeculativeConfig._maybe_override_draft_max_position_embeddings); a larger one changes
+# nothing under default RoPE (scaled RoPE types read it: see _severity).
+FIELD_SEVERITY = {"rope_parameters": WARNING, "rms_norm_eps": WARNING, "max_position_embeddings": ERROR,
+                  "norm_before_residual": WARNING}
+
+
+def _severity(field: str, got, trained, rope: dict) -> str:
+    if field == "max_position_embeddings" and got > trained and rope.get("rope_type", "default") == "default":
+        return INFO
+    return FIELD_SEVERITY.get(field, ERROR)  # the rest are the peer flags the engine implements
+
+
+def trained_config(raw: RawCheckpoint):
+    """The DrafterConfig the drafter was trained with (eyas.json `drafter_config`), or None."""
+    from eyas.core.drafter import DrafterConfig
+
+    rec = raw.meta.get("drafter_config")
+    return DrafterConfig.from_dict(rec) if isinstance(rec, dict) else None
+
+
+def check_shared_fields(raw: RawCheckpoint, views: dict[str, EngineReading]) -> list[Finding]:
+    """Config fields each engine builds the drafter from (RoPE, norm eps, positions, peer flags)
+    against those it was trained with; sizes are check_shapes' business."""
+    want = trained_config(raw)
+    if want is None:
+        return []
+    out = []
+    for e, r in views.items():
+        for f, got, trained in engines.config_differences(r, want):
+            if f in engines.SIZE_FIELDS:
+                continue
+            sev = _severity(f, got, trained, dict(r.config.rope_parameters))
+            out.append(make("EYAS-CONFIG-MISMATCH", f"{e} builds the drafter with {f}={got!r}; it was trained with "
+                            f"{trained!r}", severity=sev, engine=e,
+                            evidence={"field": f, "engine_reads": got, "trained": trained},
+                            cause=_FIELD_CAUSE.get(f, f"{f} changes the layer's function: the trained weights "
+                                                   "compute something else."),
+                            fix=f"set {f} back to {trained!r} in config.json (or re-export: eyas export RUN --to {e})"))
+    return out
+
+
+_FIELD_CAUSE = {
+    "rope_parameters": "RoPE rotates every query and key: a different theta or scaling moves attention scores, "
+                       "little at short distances (vLLM 0.32, SmolLM2 drafter: 3.66 -> 3.34 for theta 10000), "
+                       "more at long ones: measure with --target T --prompts FILE at your context lengths.",
+    "rms_norm_eps": "eps is added to the mean square of activations far larger than it: negligible in practice.",
+    "norm_before_residual": "the residual becomes hidden_norm(h) instead of h (or back): close while h's RMS is "
+                            "near one (vLLM 0.32, SmolLM2 drafter: 3.66 -> 3.46); measure with --target T --prompts "
+                            "FILE, and write the flag explicitly.",
+    "max_position_embeddings": "fewer positions than trained: vLLM 0.32 serves it with acceptance collapsed "
+                               "(measured 1.02 against 3.66) though it raises the value for its rotary cache.",
+}

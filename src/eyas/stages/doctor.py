@@ -11,9 +11,10 @@ from pathlib import Path
 
 from eyas.doctor.findings import REGISTRY
 from eyas.errors import EyasError, FindingsError
+from eyas.formats.engines import SERVING
 from eyas.stages.common import add_json_flag
 
-ENGINE_CHOICES = ("sglang", "vllm", "speculators", "all")
+ENGINE_CHOICES = (*SERVING, "all")
 
 
 def register(sub) -> None:

@@ -1,0 +1,71 @@
+"""The doctor against real vLLM on every fault class: build each broken export of a healthy
+SmolLM2 drafter, serve it in vLLM (fp32, greedy, k=3, eager), run `eyas doctor --engine vllm`
+with and without --target, and write the matrix as a markdown table.
+
+    python bench/doctor_vs_vllm.py --run /tmp/fx/run --prompts /tmp/fx/bench_prompts.jsonl --out /tmp/dvv
+
+Writes OUT/doctor_vs_vllm.md and OUT/doctor_vs_vllm.json. Takes about 25 s per export served
+after the first (one vLLM start each, several per child process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from eyas import targets
+from eyas.doctor import agreement
+
+
+def export(run: Path, fmt: str, out: Path, target: str) -> Path:
+    dest = out / f"export-{fmt}"
+    if not dest.is_dir():
+        subprocess.run([sys.executable, "-m", "eyas", "export", str(run), "--to", fmt, "--out", str(dest),
+                        "--target", target], check=True)
+    return dest
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", type=Path, required=True, help="training run (or checkpoint) of a healthy drafter")
+    ap.add_argument("--prompts", type=Path, required=True, help="prompts it serves well (jsonl)")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--faults", nargs="*", default=None, help="FAULT or FAULT-LAYOUT names (default: all; the healthy exports always run)")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--reuse-engine", action="store_true", help="keep vLLM outcomes in OUT/engine.json and "
+                    "serve only exports not in it (the exports are rebuilt identically)")
+    ap.add_argument("--engine-only", action="store_true", help="serve in vLLM and stop (fills the cache)")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    a.out.mkdir(parents=True, exist_ok=True)
+    tdir = targets.resolve(a.target)
+    healthy = {fmt: export(a.run, fmt, a.out, a.target) for fmt in ("vllm", "speculators")}
+    names = ["healthy", *a.faults] if a.faults else None
+    rows = agreement.build_all(healthy, a.out / "faults", names)
+    t0 = time.time()
+    cache = a.out / "engine.json" if a.reuse_engine else None
+    base = agreement.ask_engine(rows, tdir, a.prompts, cache, num_prompts=a.num_prompts, new_tokens=a.new_tokens)
+    t1 = time.time()
+    if a.engine_only:
+        return 0
+    agreement.ask_doctor(rows, str(tdir))
+    t2 = time.time()
+    md = agreement.table(rows, base)
+    md += (f"\n\nvLLM outcomes for {len(rows)} exports in {t1 - t0:.0f} s (with --reuse-engine, only those not in "
+           f"OUT/engine.json were served); doctor (with and without --target) in {t2 - t1:.0f} s.")
+    (a.out / "doctor_vs_vllm.md").write_text(md + "\n")
+    (a.out / "doctor_vs_vllm.json").write_text(json.dumps([asdict(r) | {"agree": r.agree} for r in rows], indent=2))
+    print(md)
+    return 0 if all(r.agree for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
