@@ -337,3 +337,9 @@ def _rope_init(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](lc, None)
     return inv, float(scaling)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """The engines' default aux layers `[2, L//2, L-3]`, as HF `output_hidden_states` indices (the
+    vLLM convention, DESIGN 3), for a target of `num_layers` decoder layers."""
+    return [2, num_layers // 2, num_layers - 3]

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from eyas.core import vocab as core_vocab
-from eyas.core.drafter import DrafterConfig
+from eyas.core.drafter import DrafterConfig, default_aux_layers
 from eyas.errors import EyasError
 from eyas.formats import checkpoint as ckpt_io
 
@@ -70,6 +70,8 @@ ENGINES = ("sglang", "vllm", "speculators", "eagle")
 # The engines that serve a drafter (what `eyas doctor --engine` checks); "eagle" is the original
 # EAGLE code's file layout, which SGLang serves with SGLang's semantics.
 SERVING = ("sglang", "vllm", "speculators")
+# how eyas's own runtime can run a checkpoint: as eyas does, or as SGLang / vLLM would load and feed it
+RUNTIME_ENGINES = ("eyas", "sglang", "vllm")
 SPECULATORS_VERSION = "0.9.0"  # the version whose loader was checked (see module docstring)
 
 LAYER_KEYS = (
@@ -208,11 +210,6 @@ def max_aux_id(engine: str, num_layers: int) -> int:
     return num_layers if TABLES.get(engine, TABLES["sglang"]).aux_rule != "eagle_config+1" else num_layers - 1
 
 
-def default_aux(num_layers: int) -> list[int]:
-    """The engines' default aux layers [2, L//2, L-3] (HF hidden_states index, DESIGN 3)."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def _flat_fields(c: dict, where: str) -> dict:
     """DrafterConfig sizes from a flat Llama-style config dict (SGLang/vLLM/EAGLE/eyas/speculators'
     transformer_layer_config). Missing required fields raise, naming the key."""
@@ -303,7 +300,7 @@ def _aux_reading(c: dict, table: EngineTable, num_layers: int | None) -> tuple[l
             notes.append("vLLM/speculators ignore eagle_config.eagle_aux_hidden_state_layer_ids (SGLang's "
                          "field); they capture the default [2, L//2, L-3]")
     notes.append("no aux ids the engine reads: it captures its default [2, L//2, L-3] of the target")
-    return (default_aux(num_layers) if num_layers else None), use_aux, notes
+    return (default_aux_layers(num_layers) if num_layers else None), use_aux, notes
 
 
 def _aux_source(c: dict, table: EngineTable) -> tuple[list[int] | None, str]:
@@ -480,7 +477,7 @@ def _native_config(raw: dict, layout: str, num_layers: int | None, where: str) -
     elif raw.get("eagle_aux_hidden_state_layer_ids"):
         ids, src = [int(i) for i in raw["eagle_aux_hidden_state_layer_ids"]], "eagle_aux_hidden_state_layer_ids"
     elif num_layers:
-        ids, src = default_aux(num_layers), f"engine default [2, L//2, L-3] of the target (L={num_layers})"
+        ids, src = default_aux_layers(num_layers), f"engine default [2, L//2, L-3] of the target (L={num_layers})"
     else:
         raise EyasError(f"{where}: no aux layer ids recorded (eagle_config.eagle_aux_hidden_state_layer_ids or "
                         "eagle_aux_hidden_state_layer_ids); pass --target so the engines' default "

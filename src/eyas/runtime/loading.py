@@ -12,10 +12,11 @@ import torch
 from eyas import targets
 from eyas.core.drafter import Eagle3Drafter
 from eyas.errors import EyasError
+from eyas.formats.engines import RUNTIME_ENGINES
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("eyas", "sglang", "vllm")
+ENGINES = RUNTIME_ENGINES
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch
 
 from eyas import targets
 from eyas.errors import EyasError, FindingsError
+from eyas.formats.engines import RUNTIME_ENGINES
 from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ CPU_CUTOFF = 0.1
 # 0.08: 1.45x; 0.1: 1.38x), chain 1.17x / 1.17x -> 1.28x / 1.24x; on its 10 held-out built-in
 # prompts tree 1.65x -> 1.73x, chain 1.48x -> 1.53x.
 CPU_BF16_CUTOFF = 0.05
-ENGINES = ("eyas", "sglang", "vllm")  # = runtime.ENGINES (runtime is imported lazily: transformers)
+ENGINES = RUNTIME_ENGINES
 SERVE_CONCURRENCY = "1,4,16"  # --concurrency: one request at a time, a few, a busy server
 SERVE_ENGINES = ("vllm",)  # real engines `--serve` can start (SGLang's CPU path needs a kernel not on PyPI)
 
@@ -628,7 +629,7 @@ def write_report(out: Path, report: dict, results, prompts, tok) -> None:
 def markdown(report: dict) -> str:
     s = report["summary"]
     who = ", ".join(f"{n} = `{d}`" for n, d in s["drafters"].items()) if s.get("drafters") else f"`{s['drafter']}`"
-    lines = [f"# eyas bench\n", f"target `{s['target']}`, drafter {who} (engine {s['engine']}), "
+    lines = ["# eyas bench\n", f"target `{s['target']}`, drafter {who} (engine {s['engine']}), "
              f"{s['dtype']} on {s['device']}, {s['prompts']} prompts, {s['max_new_tokens']} new tokens, "
              f"temperature {s['temperature']}, chain k={s['k']}, tree topk,depth,tokens={s['tree']}, "
              + (f"draft cutoff {s['draft_cutoff']} (drafts below that path probability are not proposed, so "

@@ -28,7 +28,7 @@ from eyas.core import ttt
 from eyas.core.batching import plan_capture_batches, plan_shards
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
-from eyas.stages.common import atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
+from eyas.stages.common import TARGET_RUNNERS, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
 
 log = logging.getLogger(__name__)
 PLAN_FILE = ".eyas-capture-plan.json"
@@ -53,7 +53,7 @@ class CaptureConfig:
     format: str = arg("speculators: also write the speculators offline layout under OUT/speculators", "eyas",
                       choices=("eyas", "speculators"))
     engine: str = arg("who runs the target: eyas (transformers, this process) or vllm (its extract_hidden_states, "
-                      "tensor / pipeline parallel; docs/scale.md)", "eyas", choices=("eyas", "vllm"))
+                      "tensor / pipeline parallel; docs/scale.md)", "eyas", choices=TARGET_RUNNERS)
     tensor_parallel_size: int = arg("with --engine vllm: vLLM's tensor_parallel_size", 1)
     pipeline_parallel_size: int = arg("with --engine vllm: vLLM's pipeline_parallel_size", 1)
     vllm_args: str | None = arg("with --engine vllm: other vllm.LLM keywords as a JSON object", None, metavar="JSON")

@@ -17,6 +17,9 @@ from eyas import __version__
 from eyas.errors import EyasError
 from eyas.formats import checkpoint as ckpt_io
 
+# who runs the target in data prepare --regenerate and capture: eyas's own loop, or vLLM (eyas.serve)
+TARGET_RUNNERS = ("eyas", "vllm")
+
 
 def emit(args, summary: dict, human: str) -> None:
     """Print `summary` as JSON when `--json` was given, else the human text."""

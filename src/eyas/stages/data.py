@@ -22,7 +22,7 @@ from eyas.errors import EyasError
 from eyas.formats import data as fdata
 from eyas.formats import prompts as fprompts
 from eyas.formats.prompts import Conversation
-from eyas.stages.common import atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
+from eyas.stages.common import TARGET_RUNNERS, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
 
 log = logging.getLogger(__name__)
 # prompts per regeneration batch on a CPU (`--batch-size` default). A decoding step's small matrix
@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 # (bf16, 2 threads, 2026-12-01, 8 rounds over three runs on a noisy VM): median 394 vs 444 tok/s
 # (1.13x; 128 ahead in 6 of 8 rounds). 256 on 256 prompts: 1.06x over 128, for twice the KV cache.
 REGEN_BATCH = 128
-ENGINES = ("eyas", "vllm")
 # The engine `--regenerate` uses unless told: eyas's own loop. It needs no engine start (50-65 s for vLLM
 # on the 2-core CPU), and the one comparison so far (`bench/bench_vllm_regenerate_capture.py`, 2026-12-07)
 # ran on a machine kept at load 7-9 by other jobs, which slowed eyas's in-process loop far more than vLLM's
@@ -97,7 +96,7 @@ class PrepareConfig:
     force: bool = arg("replace an existing --out", False)
     engine: str = arg("with --regenerate: who runs the target: eyas (its own batched loop, this process) or vllm "
                       "(tensor / pipeline parallel, continuous batching; docs/scale.md)", DEFAULT_ENGINE,
-                      choices=ENGINES)
+                      choices=TARGET_RUNNERS)
     tensor_parallel_size: int = arg("with --engine vllm: vLLM's tensor_parallel_size", 1)
     pipeline_parallel_size: int = arg("with --engine vllm: vLLM's pipeline_parallel_size", 1)
     vllm_args: str | None = arg("with --engine vllm: other vllm.LLM keywords as a JSON object", None,

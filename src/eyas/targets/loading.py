@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from eyas.core.drafter import kv_heads, mlp_width
+from eyas.core.drafter import default_aux_layers, kv_heads, mlp_width
 from eyas.errors import EyasError
 from eyas.targets.devices import parse_device, parse_dtype
 from eyas.targets.identity import fingerprint
@@ -205,11 +205,6 @@ def logit_transform(cfg) -> tuple[float, float | None]:
     scale = float(getattr(cfg, "logit_scale", None) or 1.0) / float(getattr(cfg, "logits_scaling", None) or 1.0)
     cap = getattr(cfg, "final_logit_softcapping", None)
     return scale, (float(cap) if cap else None)
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """DESIGN 3: `[2, L//2, L-3]` as HF `output_hidden_states` indices (vLLM convention)."""
-    return [2, num_layers // 2, num_layers - 3]
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:
