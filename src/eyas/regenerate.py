@@ -207,25 +207,26 @@ def _last(L: int) -> torch.Tensor:
     torch.matmul expanded the head to (B, H, vocab) and copied it (3.6 GB and ~8 s per batch of
     64 on SmolLM2 in bf16); indexing hands the head a contiguous (B, 1, H)."""
     return torch.tensor([L - 1])
-def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSettings, stop_ids: list[int],
-               limit: int, stats: GenStats, tick: Callable[[int], None] | None = None) -> list[list[str]]:
-    """Answer every user turn of a batch of conversations, turn by turn."""
+
+
+def answer_turns(tokenizer, convs: list[Conversation], settings: GenSettings, limit: int, stats: GenStats,
+                 generate: Callable[[list[int], list[list[dict]], int], tuple[list[str], int]]) -> list[list[str]]:
+    """Answer every user turn of `convs`, turn by turn, the same for every engine: each round hands
+    the conversations that still have a user turn, and whose prompt + answer fit the target's
+    `limit` positions, to `generate(indices, histories, round) -> (answers, new tokens)`; a turn that
+    does not fit is cut together with the rest of its conversation."""
     histories: list[list[dict]] = [[] for _ in convs]
     pending = [prompt_turns(c) for c in convs]
     answers: list[list[str]] = [[] for _ in convs]
-    while True:
-        active = []
+    for turn in itertools.count():
+        fits = []
         for i, turns in enumerate(pending):
             while turns and turns[0]["role"] != "user":
                 histories[i].append(turns.pop(0))
-            if turns:
-                histories[i].append(turns.pop(0))
-                active.append(i)
-        if not active:
-            return answers
-        fits = []
-        for i in active:
-            if _too_long(tokenizer, histories[i], settings.max_new_tokens, limit):
+            if not turns:
+                continue
+            histories[i].append(turns.pop(0))
+            if too_long(tokenizer, histories[i], settings.max_new_tokens, limit):
                 stats.cut_turns += 1  # keep the turns answered so far
                 histories[i].pop()
                 pending[i] = []
@@ -233,14 +234,15 @@ def _run_batch(model, tokenizer, convs: list[Conversation], settings: GenSetting
                 fits.append(i)
         if not fits:
             return answers
-        texts, n = generate_batch(model, tokenizer, [histories[i] for i in fits], settings, stop_ids, tick)
+        texts, n = generate(fits, [histories[i] for i in fits], turn)
         stats.new_tokens += n
         for i, text in zip(fits, texts):
             answers[i].append(text)
             histories[i].append({"role": "assistant", "content": text})
+    return answers
 
 
-def _too_long(tokenizer, history: list[dict], max_new_tokens: int, limit: int) -> bool:
+def too_long(tokenizer, history: list[dict], max_new_tokens: int, limit: int) -> bool:
     """Whether prompt + answer would exceed the target's positions (characters bound tokens
     from above for the tokenizers we know, so the cheap test comes first)."""
     text = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
@@ -291,8 +293,11 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
             seed_batch(settings, b)
             t0 = time.perf_counter()
             cut_before = stats.cut_turns
-            answers = _run_batch(model, tokenizer, batch, settings, stop_ids, limit, stats,
-                                 tick=lambda n: bar.update(min(n, upto[b] - bar.n)))
+            def tick(n: int, b: int = b) -> None:
+                bar.update(min(n, upto[b] - bar.n))
+
+            answers = answer_turns(tokenizer, batch, settings, limit, stats,
+                                   lambda _, hs, __: generate_batch(model, tokenizer, hs, settings, stop_ids, tick))
             stats.seconds += time.perf_counter() - t0
             stats.batches_done += 1
             work.append({"batch": b, "ids": [c.id for c in batch], "answers": answers,
@@ -304,7 +309,7 @@ def regenerate(model, tokenizer, convs: list[Conversation], settings: GenSetting
     out: list[Conversation | None] = [None] * len(convs)
     for b in range(n_batches):
         for i, ans in zip(batches[b], work.done[b]["answers"]):
-            out[i] = _with_answers(convs[i], ans)
+            out[i] = with_answers(convs[i], ans)
     return out, stats
 
 
@@ -373,7 +378,7 @@ def write_prompts(model, tokenizer, n: int, settings: GenSettings, work_dir: Pat
     return out, stats
 
 
-def _with_answers(conv: Conversation, answers: list[str]) -> Conversation:
+def with_answers(conv: Conversation, answers: list[str]) -> Conversation:
     """Interleave the target's answers after the user turns they answer (unanswered turns dropped)."""
     turns, k = [], 0
     for t in prompt_turns(conv):

@@ -162,7 +162,7 @@ def test_regenerate_resume_is_byte_identical(tiny_target, tmp_path, eyas_cli, mo
     assert code == 0, err
 
     calls = {"n": 0}
-    real = regen._run_batch
+    real = regen.answer_turns
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -170,13 +170,13 @@ def test_regenerate_resume_is_byte_identical(tiny_target, tmp_path, eyas_cli, mo
             raise KeyboardInterrupt  # killed during the second batch
         return real(*a, **k)
 
-    monkeypatch.setattr(regen, "_run_batch", flaky)
+    monkeypatch.setattr(regen, "answer_turns", flaky)
     out = tmp_path / "run"
     code, _, err = _regen(eyas_cli, tiny_target, inputs, out, "--limit", "10", "--temperature", "0.8")
     assert code == 130 and not out.exists()
     work = tmp_path / "run.partial" / "batches.jsonl"
     assert len(work.read_text().splitlines()) == 1
-    monkeypatch.setattr(regen, "_run_batch", real)
+    monkeypatch.setattr(regen, "answer_turns", real)
     code, stdout, err = _regen(eyas_cli, tiny_target, inputs, out, "--limit", "10", "--temperature", "0.8", "--json")
     assert code == 0, err
     assert json.loads(stdout)["regeneration"]["batches_reused"] == 1
@@ -205,7 +205,7 @@ def test_resumed_regeneration_counts_the_turns_cut_in_reused_batches(tiny_target
     want, batches = ref["turns_cut_for_context"], ref["batches_generated"]
     assert want > 0 and batches >= 2
 
-    real, calls = regen._run_batch, {"n": 0}
+    real, calls = regen.answer_turns, {"n": 0}
 
     def killed_in_last(*a, **k):
         calls["n"] += 1
@@ -213,11 +213,11 @@ def test_resumed_regeneration_counts_the_turns_cut_in_reused_batches(tiny_target
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(regen, "_run_batch", killed_in_last)
+    monkeypatch.setattr(regen, "answer_turns", killed_in_last)
     assert _regen(eyas_cli, tiny_target, [mt], tmp_path / "run", *flags)[0] == 130
     done = [json.loads(line) for line in (tmp_path / "run.partial" / "batches.jsonl").read_text().splitlines()]
     assert len(done) == batches - 1 and sum(r["cut"] for r in done) > 0  # cuts inside the batches to reuse
-    monkeypatch.setattr(regen, "_run_batch", real)
+    monkeypatch.setattr(regen, "answer_turns", real)
     code, stdout, err = _regen(eyas_cli, tiny_target, [mt], tmp_path / "run", *flags)
     assert code == 0, err
     info = json.loads(stdout)["regeneration"]

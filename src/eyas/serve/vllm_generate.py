@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from eyas.formats.prompts import Conversation
-from eyas.regenerate import (GenSettings, GenStats, WorkFile, _too_long, _with_answers, prompt_ids, prompt_turns,
+from eyas.regenerate import (GenSettings, GenStats, WorkFile, answer_turns, prompt_ids, prompt_turns, with_answers,
                              work_key)
 from eyas.serve import vllm_jobs
 from eyas.serve.vllm_jobs import EngineArgs
@@ -49,7 +49,7 @@ def regenerate(target: Path, convs: list[Conversation], settings: GenSettings, w
         rec = work.done.get(b)
         if rec is None or rec["ids"] != [convs[i].id for i in chunk]:
             raise AssertionError(f"vLLM job finished without chunk {b} in {work.path}")
-        out += [_with_answers(convs[i], ans) for i, ans in zip(chunk, rec["answers"])]
+        out += [with_answers(convs[i], ans) for i, ans in zip(chunk, rec["answers"])]
     stats = GenStats(**got["stats"])
     return out, stats
 
@@ -112,36 +112,16 @@ def _job(job: dict) -> dict:
 
 def _answer_chunk(llm, tok, convs: list[Conversation], settings: GenSettings, stop_ids: list[int], limit: int,
                   stats: GenStats, bar) -> list[list[str]]:
-    """Answer every user turn of `convs`, one `generate` call per turn index (the rules of
-    `eyas.regenerate._run_batch`: a turn whose prompt + answer would not fit is cut with the rest)."""
-    histories: list[list[dict]] = [[] for _ in convs]
-    pending = [prompt_turns(c) for c in convs]
-    answers: list[list[str]] = [[] for _ in convs]
-    while True:
-        fits = []
-        for i, turns in enumerate(pending):
-            while turns and turns[0]["role"] != "user":
-                histories[i].append(turns.pop(0))
-            if not turns:
-                continue
-            histories[i].append(turns.pop(0))
-            if _too_long(tok, histories[i], settings.max_new_tokens, limit):
-                stats.cut_turns += 1
-                histories[i].pop()
-                pending[i] = []
-            else:
-                fits.append(i)
-        if not fits:
-            return answers
-        rows = _generate(llm, [prompt_ids(tok, histories[i]) for i in fits],
-                         [_seed(settings, convs[i].id, len(answers[i])) for i in fits], settings, stop_ids)
+    """Answer every user turn of `convs` by eyas's rules (`regenerate.answer_turns`), one vLLM
+    `generate` call per turn round."""
+    def generate(fits: list[int], histories: list[list[dict]], turn: int) -> tuple[list[str], int]:
+        rows = _generate(llm, [prompt_ids(tok, h) for h in histories],
+                         [_seed(settings, convs[i].id, turn) for i in fits], settings, stop_ids)
         n = sum(len(r) for r in rows)
-        stats.new_tokens += n
         bar.update(n)
-        for i, row in zip(fits, rows):
-            text = tok.decode([t for t in row if t not in stop_ids], skip_special_tokens=True)
-            answers[i].append(text)
-            histories[i].append({"role": "assistant", "content": text})
+        return [tok.decode([t for t in row if t not in stop_ids], skip_special_tokens=True) for row in rows], n
+
+    return answer_turns(tok, convs, settings, limit, stats, generate)
 
 
 def _generate(llm, prompts: list[list[int]], seeds: list[int], settings: GenSettings,
