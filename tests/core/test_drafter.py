@@ -169,7 +169,7 @@ def test_drafter_trains_and_serves_on_each_family(kind, tiny_targets, other_targ
     """The drafter sized from each family's config (Qwen2 biases, Mistral, Gemma's head_dim and
     activation, Qwen3's q/k norms in the target) trains with the TTT loss on the target's own
     greedy text and is then accepted when served, with output identical to plain decoding."""
-    from test_doctor import train_tiny_drafter
+    from tiny import train_tiny_drafter
 
     from eyas import runtime
 

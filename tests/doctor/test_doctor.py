@@ -14,53 +14,14 @@ from safetensors.torch import load_file, save_file
 from eyas import targets
 from eyas.core import vocab as core_vocab
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
-from eyas.core.ttt import target_table, ttt_forward
 from eyas.formats.checkpoint import save_checkpoint
 
-AUX = [1, 2, 3]  # HF indices, distinct so that +-1 shifts mean other layers
-N_DRAFT = 160
+from tiny import AUX, N_DRAFT, train_tiny_drafter  # noqa: E402
 PROMPT_FILE_LINES = ["the model token draft", "python code function return", "math two plus three equals",
                      "the cat and the dog", "explain the speculative decoding", "write a story about a river"]
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-def _greedy_corpus(model, tok, n: int = 32, new: int = 20) -> torch.Tensor:
-    """The target's greedy continuations of n corpus prefixes (one batched generate)."""
-    import tiny
-
-    prefixes = [tok(line)["input_ids"][:5] for line in tiny.corpus(4 * n, seed=1)]
-    x = torch.tensor([p for p in prefixes if len(p) == 5][:n])
-    return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, pad_token_id=tok.eos_token_id)  # (n, 5 + new)
-
-
-def train_tiny_drafter(target_dir: Path, steps: int = 60, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor]:
-    """A drafter trained with the TTT loss on the tiny target's own greedy text (plain loop)."""
-    torch.manual_seed(seed)
-    model, tok = targets.load(target_dir)
-    tcfg = targets.load_config(target_dir)
-    ids = _greedy_corpus(model, tok)
-    mask = torch.ones_like(ids)
-    mask[:, :5] = 0
-    counts = core_vocab.count_tokens(ids, mask, tcfg.vocab_size)
-    d2t, t2d = core_vocab.build_from_counts(counts, N_DRAFT)
-    d = Eagle3Drafter(DrafterConfig.from_target(tcfg, N_DRAFT, AUX))
-    d.d2t.copy_(d2t)
-    d.t2d.copy_(t2d)
-    d.load_target_embedding(model.get_input_embeddings().weight)
-    with torch.no_grad(), targets.capture_aux(model, AUX) as cap:
-        model(ids)
-        aux, last = cap.aux(), cap.last
-    table = target_table(last, mask, model.lm_head.weight, core_vocab.target_ids(d2t), t2d)
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=5e-3)
-    for _ in range(steps):
-        loss, _ = ttt_forward(d, aux, ids, table, steps=2)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return d, ids
 
 
 @pytest.fixture(scope="module")

@@ -148,7 +148,7 @@ def test_bench_engine_with_a_drafter_of_another_target_exits_2(eyas_cli, tiny_ta
 
 
 def test_bench_runs_several_drafters_side_by_side(eyas_cli, tiny_target, drafter_dir, prompt_file, tmp_path):
-    from test_doctor import train_tiny_drafter
+    from tiny import train_tiny_drafter
 
     other = tmp_path / "run2" / "final"  # a trained drafter beside a random one: they must not mix
     save_checkpoint(other, train_tiny_drafter(tiny_target)[0], {"test": True})

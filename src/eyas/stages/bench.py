@@ -69,9 +69,8 @@ def register(sub) -> None:
                        "steps of (accepted drafts + 1).")
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory")
     p.add_argument("--drafter", nargs="+", metavar="D",
-                   help="eyas drafter checkpoint (or any layout with --engine); omit to run the baselines only. "
-                   "Several: each runs chain/tree on the same prompts in the same run (methods named "
-                   "tree@NAME, NAME = the checkpoint's directory, its run's for RUN/final), a paired comparison")
+                   help="drafter checkpoint or training run (its best/); omit to run the baselines only; several: "
+                   "a paired comparison in one run (methods named tree@NAME)")
     p.add_argument("--prompts", nargs="+", default=["builtin-eval"], metavar="FILE",
                    help="prompt files (json/jsonl/txt/parquet/arrow; first user turn, chat template applied) or "
                    "`builtin-eval` = the eval split of --data")
@@ -83,20 +82,11 @@ def register(sub) -> None:
     p.add_argument("--tree", default="4,5,16",
                    help="TOPK,DEPTH,TOKENS of the dynamic tree; TOKENS counts the root (default 4,5,16)")
     p.add_argument("--draft-cutoff", type=float, metavar="P",
-                   help="drop drafts whose path probability under the drafter (product of its softmax "
-                   "probabilities along the path) is below P: chains stop early, trees shrink below TOKENS. "
-                   "Output is unchanged; speed and acceptance length move. Default: "
-                   f"{CPU_CUTOFF} for fp32 on a CPU (where every verified token costs; chain and tree measured "
-                   f"1.1-1.25x faster with it), {CPU_BF16_CUTOFF} for bf16 on a CPU (where each draft step costs; "
-                   "measured 1.03-1.12x faster), unless --engine emulates SGLang / vLLM; else 0 (always k drafts / "
-                   "TOKENS nodes). Pass 0 to measure the drafter's full-budget acceptance length")
+                   help=f"drop drafts whose path probability under the drafter is below P (output unchanged); "
+                   f"default {CPU_CUTOFF} fp32 / {CPU_BF16_CUTOFF} bf16 on a CPU, else 0 (0 = the full budget)")
     p.add_argument("--methods", default=None,
-                   help=f"eyas methods to run: chain, tree, chain+lookup, tree+lookup (comma list; default "
-                        f"{DEFAULT_METHODS}, with --engine sglang|vllm {ENGINE_METHODS}). +lookup adds a "
-                        "prompt-lookup branch to every draft: the up to --lookup-tokens tokens that followed the "
-                        "latest earlier occurrence of the last 3/2/1 tokens in prompt and output, verified in the "
-                        "same forward (output unchanged). Engines serve the drafter alone: chain and tree are what "
-                        "a deployment gets")
+                   help=f"comma list of chain, tree, chain+lookup, tree+lookup (+lookup: a prompt-lookup branch "
+                        f"beside each draft); default {DEFAULT_METHODS}, with --engine sglang|vllm {ENGINE_METHODS}")
     p.add_argument("--lookup-tokens", type=int, default=LOOKUP_TOKENS,
                    help=f"length of the +lookup branch (default {LOOKUP_TOKENS})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -106,38 +96,28 @@ def register(sub) -> None:
     p.add_argument("--engine", default="eyas", choices=ENGINES,
                    help="run the checkpoint as eyas does, or as SGLang / vLLM would load and feed it")
     p.add_argument("--serve", choices=SERVE_ENGINES,
-                   help="serve the target in the real engine (vLLM, installed beside eyas), without and with the "
-                   "drafter and with the engine's model-free speculation, at each --concurrency, from the engine's "
-                   "own counters; eyas's runtime runs the same drafter, prompts and --k beside it (--engine stays "
-                   "eyas's emulation of an engine's loader). --drafter: an eyas checkpoint or training run "
-                   "(exported into --out as vllm-drafter/) or a vllm / speculators export")
+                   help="serve the target in the real engine, without and with the drafter and with its ngram "
+                   "method, at each --concurrency, from the engine's own counters; eyas's runtime beside it")
     p.add_argument("--concurrency", default=None, metavar="N,..",
                    help="with --serve: requests in flight, one level per number (1 = one request at a time; "
                    f"default {SERVE_CONCURRENCY})")
     p.add_argument("--serve-methods", default=None, metavar="M,..",
-                   help="with --serve: engine speculation to run beside the target alone: drafter (EAGLE-3 with "
-                   "--drafter), ngram (prompt lookup), suffix (suffix decoding; vLLM needs the arctic-inference "
-                   "package). Default: drafter (with --drafter), ngram, and suffix where installed")
+                   help="with --serve: comma list of drafter, ngram, suffix (needs arctic-inference); default: "
+                   "drafter (with --drafter), ngram, and suffix where installed")
     p.add_argument("--eager", action="store_true",
-                   help="with --serve: skip vLLM's compilation (enforce_eager: faster start, slower decoding; "
-                   "default: compiled, the engine's fastest configuration)")
+                   help="with --serve: skip vLLM's compilation (enforce_eager); default compiled")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "auto"),
                    help="fp32 (default: greedy output checked token for token against plain decoding), bf16, or "
-                   "auto = bf16 on CUDA and AMX CPUs, else fp32 (measured faster for decoding on a CPU with "
-                   "AVX512-BF16 but no AMX)")
+                   "auto (docs/cpu-performance.md)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
     p.add_argument("--no-prepack", action="store_true",
-                   help="keep PyTorch's plain CPU linear layers. Default on CPU in fp32: every linear weight of "
-                   "the target (and so of every method, hf and pld included) is prepacked once for oneDNN, and the "
-                   "drafter's is copied to fp16 for fbgemm (drafts are verified by the fp32 target, so outputs do "
-                   "not change); on a 2-core AVX2 CPU that made plain decoding 1.15x and chain 1.46x faster, and "
-                   "the fp16 drafter another 1.04-1.12x (README)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's). On a shared CPU, 1 avoids "
-                   "OpenMP stalls that slow multi-token forwards by 10-100x")
+                   help="keep PyTorch's plain CPU linear layers (default in fp32 on a CPU: prepacked weights, same "
+                   "outputs; docs/cpu-performance.md)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; on a shared CPU 1 avoids "
+                   "OpenMP stalls)")
     p.add_argument("--limit", type=int, help="use N prompts, taken round-robin across categories in file order")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every method R times per prompt (the order rotated each time) and keep the run of "
-                   "median wall time per token: a stall of a shared or noisy machine then moves no figure (default 1)")
+                   help="run every method R times per prompt (order rotated) and keep the median run (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--out", default="bench-report", help="report directory (default ./bench-report)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
