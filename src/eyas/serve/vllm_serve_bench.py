@@ -300,16 +300,9 @@ def markdown(report: dict) -> str:
              f"one request in flight, draft cutoff {s['eyas_draft_cutoff']}\n",
              "| method | in flight | tok/s | speedup vs vLLM plain | acceptance length | per position | "
              "mismatches vs vLLM plain |", "|---|---|---|---|---|---|---|"]
-    for m, row in s["methods"].items():
-        for c, st in row["levels"].items():
-            al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
-            lines.append(f"| {m} | {c} | {st['tokens_per_s']:.1f} | {st['speedup']:.2f}x | {al} | "
-                         f"{_pos(st.get('acceptance_by_position'))} | {st['mismatches'] if m != PLAIN else '-'} |")
-    for m, st in s["eyas"].items():
-        al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
-        sp = f"{st['speedup']:.2f}x" if "speedup" in st else "-"
-        lines.append(f"| {m} (eyas runtime) | 1 | {st['tokens_per_s']:.1f} | {sp} | {al} | "
-                     f"{_pos(st.get('acceptance_by_position'))} | {st.get('mismatches', '-')} |")
+    for r in table_rows(s):
+        lines.append(f"| {r['method']} | {r['in_flight']} | {r['tok_s']} | {r['speedup']} | {r['accept']} | "
+                     f"{r['per_position']} | {r['mismatches']} |")
     lines.append(f"\n**Where speculation stops paying:** {stops_paying(s)}.\n")
     if s.get("acceptance_by_context"):
         ms = sorted({m for row in s["acceptance_by_context"].values() for m in row})
@@ -328,6 +321,25 @@ def markdown(report: dict) -> str:
     for m, why in s["unsupported"].items():
         lines.append(f"- not run: {m}: {why}")
     return "\n".join(lines) + "\n"
+
+
+def table_rows(s: dict) -> list[dict[str, str]]:
+    """The report's method rows as formatted cells, for report.md and the terminal alike: each
+    method of the engine at each concurrency level, then eyas's runtime at one request in flight."""
+    rows = []
+    for m, row in s["methods"].items():
+        for c, st in row["levels"].items():
+            rows.append(_cells(m, c, st, str(st["mismatches"]) if m != PLAIN else "-"))
+    for m, st in s["eyas"].items():
+        rows.append(_cells(f"{m} (eyas runtime)", "1", st, str(st.get("mismatches", "-"))))
+    return rows
+
+
+def _cells(method: str, in_flight: str, st: dict, mismatches: str) -> dict[str, str]:
+    return {"method": method, "in_flight": in_flight, "tok_s": f"{st['tokens_per_s']:.1f}",
+            "speedup": f"{st['speedup']:.2f}x" if "speedup" in st else "-",
+            "accept": f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-",
+            "per_position": _pos(st.get("acceptance_by_position")), "mismatches": mismatches}
 
 
 def plots(out: Path, report: dict) -> None:
@@ -368,15 +380,10 @@ def plots(out: Path, report: dict) -> None:
 def human_summary(report: dict) -> str:
     s = report["summary"]
     rows = [f"{'method':22s} {'in flight':>9s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'mismatch':>8s}"]
-    for m, row in s["methods"].items():
-        for c, st in row["levels"].items():
-            al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
-            rows.append(f"{m:22s} {c:>9s} {st['tokens_per_s']:8.1f} {st['speedup']:7.2f}x {al:>7s} "
-                        f"{st['mismatches'] if m != PLAIN else '-':>8}")
-    for m, st in s["eyas"].items():
-        al = f"{st['acceptance_length']:.2f}" if "acceptance_length" in st else "-"
-        sp = f"{st['speedup']:7.2f}x" if "speedup" in st else "       -"
-        rows.append(f"{m:22s} {'1':>9s} {st['tokens_per_s']:8.1f} {sp} {al:>7s} {st.get('mismatches', '-'):>8}")
+    for r in table_rows(s):
+        name = r["method"].removesuffix(" (eyas runtime)")
+        rows.append(f"{name:22s} {r['in_flight']:>9s} {r['tok_s']:>8s} {r['speedup']:>8s} {r['accept']:>7s} "
+                    f"{r['mismatches']:>8}")
     rows.append(stops_paying(s))
     if s.get("deployment"):
         rows += ["deploy: " + s["deployment"]["cli"]]
