@@ -1,4 +1,4 @@
-"""Regeneration throughput: eyas's batched decoder (`eyas.regenerate.decode_batch`) vs
+"""Regeneration throughput: eyas's batched decoder (`eyas.runtime.batched.decode_batch`) vs
 transformers' `generate()` on the same prompts, side by side in one run.
 
 Usage: EYAS_HOME=... python bench/bench_regenerate.py [--prompts 64] [--max-new-tokens 192]
@@ -22,11 +22,11 @@ import time
 
 import torch
 
-from eyas import regenerate, targets
+from eyas import targets
 from eyas.cpu import attention
-from eyas.builtin_prompts import builtin_prompts
+from eyas.formats.builtin_prompts import builtin_prompts
 from eyas.formats.data import end_of_turn_ids
-from eyas.regenerate import decode_batch
+from eyas.runtime.batched import decode_batch
 from eyas.stages.data import REGEN_BATCH
 
 

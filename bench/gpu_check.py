@@ -119,10 +119,10 @@ def profile_plain(tdir: Path, device: torch.device, dtype: str, prompt: torch.Te
 
 
 def decode_speed(tdir: Path, device: torch.device, prompts: list[dict], steps: int) -> dict:
-    """Tokens/s of plain decoding (first prompt) and of `regenerate.decode_batch` (up to 32
+    """Tokens/s of plain decoding (first prompt) and of `runtime.batched.decode_batch` (up to 32
     prompts) in bf16, cuDNN attention on and off. Each setting first warms up on shapes the timed
     run never meets (cuDNN keeps a plan per shape, so a repeated shape would hide its cost)."""
-    from eyas import regenerate
+    from eyas.runtime.batched import decode_batch
 
     model, _ = targets.load(tdir, dtype="bf16", device=str(device))
     tr, _ = runtime.runners(model, None, runtime.Timer(device))
@@ -133,7 +133,7 @@ def decode_speed(tdir: Path, device: torch.device, prompts: list[dict], steps: i
         for cudnn in (True, False):
             torch.backends.cuda.enable_cudnn_sdp(cudnn)
             runtime.generate(tr, None, prompt[:5], runtime.DecodeSettings(method="plain", max_new_tokens=4, eos_ids=()))
-            regenerate.decode_batch(model, [b[:5] for b in batch[:2]], 4, [])
+            decode_batch(model, [b[:5] for b in batch[:2]], 4, [])
             sync(device)
             t0 = time.perf_counter()
             res = runtime.generate(tr, None, prompt, runtime.DecodeSettings(method="plain", max_new_tokens=steps,
@@ -141,7 +141,7 @@ def decode_speed(tdir: Path, device: torch.device, prompts: list[dict], steps: i
             sync(device)
             plain = len(res.tokens) / (time.perf_counter() - t0)
             t0 = time.perf_counter()
-            rows = regenerate.decode_batch(model, batch, steps, [])
+            rows = decode_batch(model, batch, steps, [])
             sync(device)
             regen = sum(map(len, rows)) / (time.perf_counter() - t0)
             key = "cudnn_on" if cudnn else "cudnn_off"

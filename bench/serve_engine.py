@@ -38,12 +38,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_drafter(engine: str, drafter: Path, target: str) -> None:
     """Refuse a drafter that the engine would load broken (the same check `eyas export` runs)."""
+    from eyas import targets
     from eyas.formats import engines
 
-    problems = engines.static_check(drafter, engine, target=target)
+    tdir = targets.resolve(target)
+    problems = engines.static_check(drafter, engine, target=tdir)
     for line in problems:
         print(f"static check: {line}", file=sys.stderr)
-    for note in engines.engine_reading(drafter, engine, engines.target_dir(target)).notes:
+    for note in engines.engine_reading(drafter, engine, tdir).notes:
         print(f"note: {note}", file=sys.stderr)
     if problems:
         raise SystemExit(f"{drafter} would load broken in {engine}; re-export it (or pass --skip-check)")

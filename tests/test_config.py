@@ -77,3 +77,23 @@ def test_every_stage_declares_its_flags_in_a_config(cli):
     for f in dataclasses.fields(TrainConfig):
         if f.metadata.get("cli", True):
             assert config.flag_name(f) in out, f.name
+
+
+def test_to_argv_parses_back_to_the_same_config():
+    """`to_argv` writes positionals first, then only the flags whose values differ from their
+    defaults; parsing that command line gives the config back (a field off the CLI is left out)."""
+    cfg = Demo(source=Path("s"), out=Path("o"), files=[Path("a"), Path("b")], steps=9, rate=0.25, mode="b",
+               flag_name="z")
+    argv = config.to_argv(("run",), cfg)
+    assert argv == ["run", "s", "--out", "o", "--files", "a", "b", "--steps", "9", "--rate", "0.25", "--mode", "b",
+                    "--renamed", "z"]
+    assert config.from_namespace(Demo, parser().parse_args(argv[1:])) == cfg
+    flagged = Demo(source=Path("s"), out=Path("o"), online=True, hidden=5)
+    argv = config.to_argv((), flagged)
+    assert argv == ["s", "--out", "o", "--online"]  # a bool is its bare flag; `hidden` cannot be written
+    assert config.from_namespace(Demo, parser().parse_args(argv)) == Demo(source=Path("s"), out=Path("o"), online=True)
+
+
+def test_a_list_flag_without_a_list_default_may_repeat():
+    ns = parser().parse_args(["s", "--out", "o", "--files", "a", "--files", "b", "c"])
+    assert config.from_namespace(Demo, ns).files == [Path("a"), Path("b"), Path("c")]

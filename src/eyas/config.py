@@ -6,11 +6,13 @@
   `command(sub, name, cls, run)` adds a whole subcommand that calls `run(config)`.
 - `from_namespace(cls, ns)` builds the config from parsed arguments; `build(cls, **values)` from
   Python (the quickstart calls stages this way, without argv).
-- `to_json(cfg)` is what provenance records.
+- `to_json(cfg)` is what provenance records; `to_argv(words, cfg)` the command line that parses
+  back to `cfg` (what the quickstart prints for each stage it calls).
 
 Rules kept here so no stage repeats them: a `bool` field is a `--flag` (store_true); a
-`list[...]` field takes one or more values; `Path` fields are converted; fields with
-`positional=True` are positional; fields sharing a `group` are mutually exclusive.
+`list[...]` field takes one or more values (and, when its default is None, the flag repeated adds
+more); `Path` fields are converted; fields with `positional=True` are positional; fields sharing a
+`group` are mutually exclusive.
 """
 
 from __future__ import annotations
@@ -76,8 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls) -> None:
             kw["action"] = "store_true"
         else:
             kw["type"] = base
-            if many:
+            if many:  # several values after one flag; a flag without a list default may also repeat
                 kw["nargs"] = "+"
+                if f.default is None:
+                    kw["action"] = "extend"
             if f.metadata.get("choices"):
                 kw["choices"] = f.metadata["choices"]
             if f.metadata.get("metavar"):
@@ -131,6 +135,28 @@ def to_json(cfg) -> dict:
             return [plain(x) for x in v]
         return v
     return {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def to_argv(words: tuple[str, ...] | list[str], cfg) -> list[str]:
+    """`eyas` arguments (after the subcommand `words`) that parse back to `cfg`: positionals, then
+    each flag whose value differs from its default. Fields kept off the command line (`cli=False`)
+    cannot be expressed and are left out."""
+    argv, flags = list(words), []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        has_default = f.default is not MISSING or f.default_factory is not MISSING
+        if not f.metadata.get("cli", True) or (has_default and v == _default(f)):
+            continue
+        values = [str(x) for x in v] if isinstance(v, (list, tuple)) else [] if v is True else [str(v)]
+        if f.metadata.get("positional"):
+            argv += values
+        else:
+            flags += [flag_name(f), *values]
+    return argv + flags
 
 
 def command(sub, name: str, cls, run, help: str, description: str | None = None, **parser_kw):

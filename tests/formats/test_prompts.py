@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import PROMPTS
 
-from eyas.builtin_prompts import builtin_prompts
+from eyas.formats.builtin_prompts import builtin_prompts
 from eyas.errors import EyasError
 from eyas.formats.prompts import dedup_key, load_prompt_files, load_prompt_files_with_stats
 

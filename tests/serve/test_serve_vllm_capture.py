@@ -99,7 +99,8 @@ def test_regeneration_resumes_finished_chunks(vllm_ready, builtin_target, prompt
     only chunk 1 is generated; a rerun of a finished run starts no engine."""
     from eyas import targets
     from eyas.formats import prompts as fprompts
-    from eyas.regenerate import GenSettings, WorkFile
+    from eyas.formats.work import WorkFile
+    from eyas.runtime.regenerate import GenSettings
     from eyas.serve import vllm_generate
     from eyas.serve.vllm_jobs import EngineArgs
 

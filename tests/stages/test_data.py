@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import KINDS, PROMPTS
+from conftest import PROMPTS
 
 from eyas.cpu import prepack
 from eyas.errors import EyasError
@@ -153,7 +153,7 @@ def _regen(eyas_cli, target, inputs, out, *extra):
 
 
 def test_regenerate_resume_is_byte_identical(tiny_target, tmp_path, eyas_cli, monkeypatch, tiny_tokenizer):
-    import eyas.regenerate as regen
+    import eyas.runtime.regenerate as regen
 
     mt = PROMPTS / "FastChat__mt_bench__question.jsonl"
     inputs = [str(mt), "builtin"]
@@ -195,7 +195,7 @@ def test_regenerate_resume_is_byte_identical(tiny_target, tmp_path, eyas_cli, mo
 def test_resumed_regeneration_counts_the_turns_cut_in_reused_batches(tiny_target, tmp_path, eyas_cli, monkeypatch):
     """`turns_cut_for_context` describes the data, so a resumed run reports the cuts made in the
     batches it reused too (it used to count only its own batches)."""
-    import eyas.regenerate as regen
+    import eyas.runtime.regenerate as regen
 
     mt = str(PROMPTS / "FastChat__mt_bench__question.jsonl")
     flags = ("--limit", "6", "--max-new-tokens", "250", "--batch-size", "2", "--json")  # 2nd turns overflow 512
@@ -241,7 +241,7 @@ def test_self_prompts_are_written_by_the_target_answered_and_resumable(tiny_targ
     """--self-prompts: the target samples N distinct user prompts from its template's opening of
     a user turn, answers them like any other prompt, and a run killed while writing them
     resumes to the same bytes."""
-    import eyas.regenerate as regen
+    import eyas.runtime.regenerate as regen
 
     args = ("--limit", "2", "--self-prompts", "6", "--seed", "3", "--batch-size", "16")
     ref = tmp_path / "ref"
@@ -336,50 +336,6 @@ def test_gqa_attention_equals_eager(dtype, sdpa, monkeypatch):
     assert torch.allclose(got.double(), want, atol=1e-6 if dtype == torch.float32 else 2e-2)
 
 
-@pytest.mark.parametrize("kind", KINDS + ("gpt_oss", "deepseek_v3"))
-def test_decode_batch_equals_generate_one_by_one(tiny_targets, other_target, kind):
-    """The batched regeneration decoder (left padding, rows leaving the batch as they stop,
-    `gqa_attention` on CPU) writes what transformers' own greedy generate() writes for each
-    prompt alone (fp32). GPT-OSS: attention sinks on its attention modules (its decoding must
-    not go through `gqa_attention`, which has none); DeepSeek-V3: value heads narrower than
-    query/key heads."""
-    from eyas import targets
-    from eyas.regenerate import decode_batch
-
-    model, _ = targets.load(tiny_targets[kind] if kind in tiny_targets else other_target(kind))
-    attn = model.config._attn_implementation
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 17, 9, 12, 3, 21, 8, 14)]
-    ref = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        ref.append(out[0, len(p):].tolist())
-    # stop tokens taken from the reference answers, so rows stop at different steps
-    stops = sorted({ref[0][2], ref[3][5], ref[6][8]})
-    want = []
-    for r in ref:
-        cut = next((i for i, t in enumerate(r) if t in stops), None)
-        want.append(r if cut is None else r[: cut + 1])
-    assert len({len(w) for w in want}) > 2  # the batch really shrinks along the way
-    head_inputs = []  # the LM head must see a contiguous (B, 1, H): a strided view made torch.matmul
-    hook = model.get_output_embeddings().register_forward_pre_hook(  # copy the head B times
-        lambda m, args: head_inputs.append(args[0].is_contiguous()))
-    assert decode_batch(model, prompts, 12, stops) == want
-    hook.remove()
-    assert head_inputs and all(head_inputs)
-    ticks: list[int] = []  # progress: the answer tokens each step wrote, rows that stopped not counted
-    assert decode_batch(model, prompts, 12, [], tick=ticks.append) == ref
-    assert ticks == [len(prompts)] * 12
-    ticks.clear()
-    assert decode_batch(model, prompts, 12, stops, tick=ticks.append) == want
-    assert sum(ticks) == sum(map(len, want)) and ticks[0] == len(prompts) > ticks[-1]
-    assert model.config._attn_implementation == attn  # restored
-    if prepack.prepack(model):  # `data prepare --regenerate` prepacks fp32 CPU weights: same answers
-        assert decode_batch(model, prompts, 12, stops) == want
-
-
 # ---------------------------------------------------------------- bad input
 
 
@@ -428,15 +384,6 @@ def test_no_prompts_at_all(tiny_target, tmp_path, cli):
     code, _, err = cli("data", "prepare", "--target", tiny_target, "--out", tmp_path / "o", "--regenerate")
     assert code == 2 and "--self-prompts" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
-
-
-def test_user_turn_opening_smollm2(real_tokenizer):
-    """On the real template the sampled prompt starts right after the default system prompt and
-    the user header, where a user's own text would."""
-    from eyas.regenerate import user_turn_opening
-
-    text = real_tokenizer.decode(user_turn_opening(real_tokenizer))
-    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>user\n")
 
 
 def _bad_input(tmp_path, name, text):
@@ -525,20 +472,6 @@ def test_regenerate_gsm8k_on_smollm2(builtin_target, real_tokenizer, tmp_path, e
         assert 0 < sum(s.loss_mask) <= 33
 
 
-def test_workfile_drops_torn_line(tmp_path):
-    from eyas.regenerate import WorkFile
-
-    wf = WorkFile(tmp_path / "w", "k1")
-    wf.append({"batch": 0, "ids": ["a"], "answers": [["x"]]})
-    with open(wf.path, "a") as f:
-        f.write('{"batch": 1, "ids": ["b"], "ans')  # killed mid-write
-    again = WorkFile(tmp_path / "w", "k1")
-    assert list(again.done) == [0]
-    again.append({"batch": 1, "ids": ["b"], "answers": [["y"]]})
-    assert [json.loads(l)["batch"] for l in again.path.read_text().splitlines()] == [0, 1]
-    assert WorkFile(tmp_path / "w", "other-key").done == {}  # other settings: start over
-
-
 def test_template_error_is_counted(tiny_target, tmp_path, eyas_cli):
     d = tmp_path / "strict"
     shutil.copytree(tiny_target, d)
@@ -558,7 +491,7 @@ def test_builtin_public_pool_is_packaged_and_disjoint_from_the_bench_sets():
     counts PUBLIC_PROMPTS.md states and none of the bench prompts (MT-bench, MBPP)."""
     from collections import Counter
 
-    from eyas.builtin_prompts import PUBLIC
+    from eyas.formats.builtin_prompts import PUBLIC
     from eyas.formats.prompts import first_turn_key, load_prompt_files
     from eyas.stages.data import _load_inputs
 

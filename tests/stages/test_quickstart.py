@@ -1,6 +1,6 @@
-"""`eyas quickstart`: content-hashed stage reuse (with a recording stub runner), the CLI
-surface, and the whole pipeline through the real CLI on a tiny target (`make demo` runs it on
-the built-in target)."""
+"""`eyas quickstart`: content-hashed stage reuse (with a recording stub runner), the stage
+configs against the real CLI, and the whole pipeline through the real stage functions on a tiny
+target (`make demo` runs it on the built-in target)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pathlib
 
 import pytest
 
+from eyas.config import from_namespace, to_argv
+from eyas.errors import EyasError
 from eyas.stages import quickstart as qs
 from eyas.stages.bench import CPU_BF16_CUTOFF, CPU_CUTOFF
 
@@ -17,42 +19,48 @@ PLAN = qs.Plan(prompts=4, answer_tokens=4, eval_fraction=0.5, max_len=64, draft_
 
 
 class Recorder:
+    """A stage runner that records (stage, config) and makes the stage's output directory."""
+
     def __init__(self, fail: str | None = None):
-        self.calls: list[list[str]] = []
+        self.calls: list[tuple[str, object]] = []
         self.fail = fail
 
-    def __call__(self, argv, quiet):
-        self.calls.append(argv)
-        if argv[0] == self.fail:
-            return 2
-        out = argv[argv.index("--out") + 1]
-        pathlib.Path(out).mkdir(parents=True, exist_ok=True)  # as every stage does
-        if argv[0] == "bench":
+    def __call__(self, stage, cfg, quiet):
+        self.calls.append((stage, cfg))
+        if stage == self.fail:
+            raise EyasError("boom")
+        out = cfg.out.parent if stage == "vocab" else cfg.out  # vocab's --out is the file
+        out.mkdir(parents=True, exist_ok=True)  # as every stage does
+        if stage == "bench":
             summary = {"methods": {"plain": {"tokens_per_s": 10.0, "speedup": 1.0},
                                    "chain": {"tokens_per_s": 12.0, "speedup": 1.2, "acceptance_length": 2.0,
                                              "step_cost": {"total": 1.55, "target": 1.4, "drafter": 0.15},
                                              "time_split": {"target": 0.8, "drafter": 0.15, "overhead": 0.05}}},
                        "first_draft_gap": {"chain": {"val_acc_0": 0.6, "tf_all": 0.55, "tf_at_steps": 0.45,
                                                      "served_first": 0.45}}}
-            (pathlib.Path(out) / "report.json").write_text(json.dumps({"summary": summary}))
-        return 0
+            (out / "report.json").write_text(json.dumps({"summary": summary}))
+
+    def stages(self, start: int = 0) -> list[str]:
+        return [stage for stage, _ in self.calls[start:]]
+
+    def config(self, stage: str):
+        return next(cfg for s, cfg in self.calls if s == stage)
 
 
 def test_rerun_reuses_finished_stages(tiny_target, tmp_path):
     rec = Recorder()
     first = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
-    assert [c[0] for c in rec.calls] == ["data", "vocab", "capture", "train", "bench"]
+    assert rec.stages() == ["data", "vocab", "capture", "train", "bench"]
     assert [r["status"] for r in first["stages"]] == ["ok", "ran", "ran", "ran", "ran", "ran"]
     assert first["bench"]["chain"]["speedup"] == 1.2
     # every stage's inputs are the hashed directories of the stages before it
-    train_argv = rec.calls[3]
-    assert train_argv[train_argv.index("--capture") + 1] == first["stages"][3]["dir"]
+    assert rec.config("train").capture == [pathlib.Path(first["stages"][3]["dir"])]
     again = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
     assert len(rec.calls) == 5
     assert [r["status"] for r in again["stages"][1:]] == ["reused"] * 5
     # a changed vocab size reruns vocab and everything downstream, not data
     qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "draft_vocab": 16}), runner=rec)
-    assert [c[0] for c in rec.calls[5:]] == ["vocab", "train", "bench"]  # capture does not read the vocab
+    assert rec.stages(5) == ["vocab", "train", "bench"]  # capture does not read the vocab
     table = qs.table(again)  # bench's own method table (step cost, overhead) and the first-draft gap
     assert "served 0.45" in table
     chain_row = next(r for r in table.splitlines() if r.startswith("chain "))
@@ -66,9 +74,10 @@ def test_changed_eyas_code_reruns_every_stage(tiny_target, tmp_path, monkeypatch
     monkeypatch.setattr(qs, "code_fingerprint", lambda: "other-code")
     again = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
     assert [r["status"] for r in again["stages"][1:]] == ["ran"] * 5
-    assert [c[0] for c in rec.calls[5:]] == ["data", "vocab", "capture", "train", "bench"]
+    assert rec.stages(5) == ["data", "vocab", "capture", "train", "bench"]
     marker = json.loads(next((tmp_path / ".done").glob("data-*.json")).read_text())
     assert "eyas_code" in marker  # says which code made the stage
+    assert marker["command"][:3] == ["eyas", "data", "prepare"] and marker["config"]["regenerate"] is True
 
 
 def test_code_fingerprint_follows_the_files(tmp_path):
@@ -84,32 +93,28 @@ def test_code_fingerprint_follows_the_files(tmp_path):
 
 
 def test_failed_stage_is_an_error_and_not_marked_done(tiny_target, tmp_path):
-    import pytest
-
-    from eyas.errors import EyasError
-
     with pytest.raises(EyasError, match="stage capture failed"):
         qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=Recorder(fail="capture"))
     rec = Recorder()
     res = qs.run_pipeline(str(tiny_target), tmp_path, PLAN, runner=rec)
-    assert [c[0] for c in rec.calls] == ["capture", "train", "bench"]
+    assert rec.stages() == ["capture", "train", "bench"]
     assert [r["status"] for r in res["stages"][1:3]] == ["reused", "reused"]
 
 
-def test_argv_table_parses_with_the_real_cli(tiny_target, tmp_path):
-    """Every stage argv in the table names a registered stage and is accepted by its parser."""
+def test_stage_configs_are_what_their_printed_commands_parse_to(tiny_target, tmp_path):
+    """Each stage's config, written as the command line the quickstart logs and records, parses
+    with the real CLI back to the same config: the printed command reruns the stage exactly."""
     from eyas.cli import build_parser
 
     parser = build_parser()
-    values = {**PLAN.__dict__, "target": str(tiny_target), "out": str(tmp_path / "x"), "device": "cpu",
-              "regen_batch": qs.REGEN_BATCH["cpu"], "draft_cutoff": CPU_CUTOFF, "bench_dtype": "fp32",
-              "time_budget": ("--time-budget", "5")}
-    values.update({s: str(tmp_path / s) for s in qs.STAGES})
-    known = set(parser._subparsers._group_actions[0].choices)
-    for stage, template in qs.ARGV.items():
-        argv = qs.fill(template, values)
-        assert argv[0] in known, f"quickstart stage {stage} runs `eyas {argv[0]}`, which the CLI does not register"
-        parser.parse_args(argv)
+    rec = Recorder()
+    qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "deadline": 20.0}), runner=rec)
+    assert rec.config("train").time_budget is not None  # the timed flag too
+    for stage, cfg in rec.calls:
+        argv = to_argv(qs.CALLS[stage].words, cfg)
+        assert from_namespace(type(cfg), parser.parse_args(argv)) == cfg, stage
+    marker = json.loads(next((tmp_path / ".done").glob("train-*.json")).read_text())
+    assert marker["command"] == ["eyas", *to_argv(("train",), rec.config("train"))]
 
 
 class TimedRecorder(Recorder):
@@ -122,9 +127,9 @@ class TimedRecorder(Recorder):
     def perf_counter(self) -> float:
         return self.t
 
-    def __call__(self, argv, quiet):
-        self.t += 60 * self.minutes.get(argv[0], 0.0)
-        return super().__call__(argv, quiet)
+    def __call__(self, stage, cfg, quiet):
+        self.t += 60 * self.minutes.get(stage, 0.0)
+        return super().__call__(stage, cfg, quiet)
 
 
 def test_deadline_gives_train_the_minutes_left(tiny_target, tmp_path, monkeypatch):
@@ -139,8 +144,7 @@ def test_deadline_gives_train_the_minutes_left(tiny_target, tmp_path, monkeypatc
         rec = TimedRecorder({"data": data_min, "capture": capture_min})
         monkeypatch.setattr(qs, "time", rec)
         result = qs.run_pipeline(str(tiny_target), tmp_path / name, plan, runner=rec)
-        train = next(a for a in rec.calls if a[0] == "train")
-        budgets.append(float(train[train.index("--time-budget") + 1]))
+        budgets.append(rec.config("train").time_budget)
         train_dirs.append(pathlib.Path(result["stages"][4]["dir"]).name)
         again = qs.run_pipeline(str(tiny_target), tmp_path / name, plan, runner=rec)
         assert [r["status"] for r in again["stages"][1:]] == ["reused"] * 5
@@ -155,25 +159,25 @@ def test_deadline_gives_train_the_minutes_left(tiny_target, tmp_path, monkeypatc
     rec = TimedRecorder({})
     monkeypatch.setattr(qs, "time", rec)
     result = qs.run_pipeline(str(tiny_target), tmp_path / "slow", plan, runner=rec)
-    train = rec.calls[0]
-    assert train[0] == "train" and float(train[train.index("--time-budget") + 1]) == pytest.approx(20 - over - 1)
+    assert rec.stages() == ["train", "bench"]
+    assert rec.config("train").time_budget == pytest.approx(20 - over - 1)
     assert pathlib.Path(result["stages"][4]["dir"]).name == train_dirs[0]
     rec = Recorder()  # no deadline: every planned step, no flag
     qs.run_pipeline(str(tiny_target), tmp_path / "plain", PLAN, runner=rec)
-    assert "--time-budget" not in next(a for a in rec.calls if a[0] == "train")
+    assert rec.config("train").time_budget is None
 
 
-def test_tuple_values_expand_to_several_arguments():
-    values = {"target": "T", "out": "O", "device": "cpu", "regen_batch": 64}
-    argv = qs.fill(qs.ARGV["data"], {**qs.PLANS["medium"].__dict__, **values})
-    i = argv.index("--input")
-    assert argv[i + 1:i + 4] == ["builtin-public", "builtin", "--regenerate"]
-    assert qs.fill(qs.ARGV["data"], {**qs.PLANS["small"].__dict__, **values})[i + 1:i + 3] == [
-        "builtin", "--regenerate"]
+def test_plan_inputs_become_the_data_stage_inputs(tiny_target, tmp_path):
+    for budget, inputs in (("medium", ["builtin-public", "builtin"]), ("small", ["builtin"])):
+        rec = Recorder()
+        plan = qs.Plan(**{**PLAN.__dict__, "inputs": qs.PLANS[budget].inputs})
+        qs.run_pipeline(str(tiny_target), tmp_path / budget, plan, runner=rec)
+        data = rec.config("data")
+        assert data.input == inputs and data.regenerate
 
 
-def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkeypatch, caplog):
-    """The plan's `auto` becomes the machine's concrete dtype in each argv (hence in the stage hashes),
+def test_auto_dtype_resolves_into_every_stage_config(tiny_target, tmp_path, monkeypatch, caplog):
+    """The plan's `auto` becomes the machine's concrete dtype in each config (hence in the stage hashes),
     and the printed ETA uses the per-stage fp32 factors."""
     import logging
 
@@ -187,11 +191,10 @@ def test_auto_dtype_resolves_into_every_stage_argv(tiny_target, tmp_path, monkey
         qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": minutes,
                                                                    "tree": "6,6,24"}),
                         runner=rec)
-    with_dtype = [a for a in rec.calls if "--dtype" in a]
-    assert len(with_dtype) == 4 and all(a[a.index("--dtype") + 1] == "fp32" for a in with_dtype)
-    assert all(a[a.index("--device") + 1] == "cpu" for a in with_dtype)  # every stage on the one device
-    bench = next(a for a in rec.calls if a[0] == "bench")
-    assert bench[bench.index("--tree") + 1] == qs.FP32_CPU_TREE  # fp32 on a CPU: the narrower tree
+    with_dtype = [cfg for _, cfg in rec.calls if hasattr(cfg, "dtype")]
+    assert len(with_dtype) == 4 and all(cfg.dtype == "fp32" for cfg in with_dtype)
+    assert all(cfg.device == "cpu" for cfg in with_dtype)  # every stage on the one device
+    assert rec.config("bench").tree == qs.FP32_CPU_TREE  # fp32 on a CPU: the narrower tree
     eta = sum(m * f for m, f in zip(minutes[1:], qs.FP32_CPU_SLOWDOWN))
     assert f"about {eta:.0f} min left" in caplog.text and eta > sum(minutes)
 
@@ -207,16 +210,15 @@ def test_bench_decodes_in_the_decoding_dtype(tiny_target, tmp_path, monkeypatch)
     rec = Recorder()
     qs.run_pipeline(str(tiny_target), tmp_path, qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "tree": "6,6,24"}),
                     runner=rec)
-    dtypes = {a[0]: a[a.index("--dtype") + 1] for a in rec.calls if "--dtype" in a}
+    dtypes = {stage: cfg.dtype for stage, cfg in rec.calls if hasattr(cfg, "dtype")}
     assert dtypes == {"data": "bf16", "capture": "bf16", "train": "bf16", "bench": "fp32"}
-    bench = rec.calls[-1]
-    assert bench[bench.index("--draft-cutoff") + 1] == str(CPU_CUTOFF)
-    assert bench[bench.index("--tree") + 1] == qs.FP32_CPU_TREE
+    bench = rec.config("bench")
+    assert bench.draft_cutoff == CPU_CUTOFF and bench.tree == qs.FP32_CPU_TREE
 
 
 def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatch, caplog):
     """Where the stages run in fp32 on a CPU, a plan with an `fp32_cpu` variant runs that variant
-    (its own sizes in every argv, its own minutes in the ETA, the bench's fp32 draft cutoff);
+    (its own sizes in every config, its own minutes in the ETA, the bench's fp32 draft cutoff);
     with native bf16 it runs itself (the bf16 cutoff)."""
     import logging
 
@@ -224,24 +226,23 @@ def test_fp32_cpus_run_the_plan_sized_for_them(tiny_target, tmp_path, monkeypatc
 
     small = qs.Plan(**{**PLAN.__dict__, "prompts": 3, "draft_vocab": 16, "minutes": (0, 1, 0, 1, 1, 1)})
     plan = qs.Plan(**{**PLAN.__dict__, "dtype": "auto", "minutes": (0, 9, 0, 9, 9, 9), "fp32_cpu": small})
-    for fast, prompts, vocab, cutoff in (("fp32", "3", "16", str(CPU_CUTOFF)), ("bf16", "4", "32", str(CPU_BF16_CUTOFF))):
+    for fast, prompts, vocab, cutoff in (("fp32", 3, 16, CPU_CUTOFF), ("bf16", 4, 32, CPU_BF16_CUTOFF)):
         monkeypatch.setattr(targets, "fast_dtype", lambda device="cpu", fast=fast: fast)
         monkeypatch.setattr(targets, "decode_dtype", lambda device="cpu", fast=fast: fast)
         rec = Recorder()
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="eyas.stages.quickstart"):
             qs.run_pipeline(str(tiny_target), tmp_path / fast, plan, runner=rec)
-        data, vocab_argv = rec.calls[0], rec.calls[1]
-        assert data[data.index("--limit") + 1] == prompts and data[data.index("--dtype") + 1] == fast
-        assert vocab_argv[vocab_argv.index("--size") + 1] == vocab
-        bench_argv = rec.calls[-1]
-        assert bench_argv[0] == "bench" and bench_argv[bench_argv.index("--draft-cutoff") + 1] == cutoff
+        data = rec.config("data")
+        assert data.limit == prompts and data.dtype == fast
+        assert rec.config("vocab").size == vocab
+        assert rec.config("bench").draft_cutoff == cutoff
         assert ("about 3 min left" if fast == "fp32" else "about 36 min left") in caplog.text
     assert qs.PLANS["small"].fp32_cpu is qs.FP32_CPU_SMALL
 
 
 def test_whole_pipeline_on_a_tiny_target_then_reused(tiny_target, tmp_path):
-    """Every stage through the real CLI on a tiny target (regenerated data, vocab, capture, one
+    """Every stage through its real stage function on a tiny target (regenerated data, vocab, capture, one
     training step, the bench); a rerun reuses all of them; a stage directory deleted by hand is
     built again (with the stages after it reused: their inputs did not change)."""
     plan = qs.Plan(**{**PLAN.__dict__, "max_len": 512})  # the built-in prompts are long in the tiny tokenizer

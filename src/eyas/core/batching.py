@@ -14,8 +14,7 @@ import torch
 
 # Padded batch lengths are rounded up to a multiple of this: a few dozen distinct batch
 # shapes instead of hundreds, so the CPU kernels and glibc's heap reuse what earlier steps
-# set up. Measured on SmolLM2 captures (1.16M tokens, 80 steps, bf16, 2 threads): 264 vs
-# 363 s wall and 5.7 vs 8.4 GB peak anonymous RSS, for 19% padding instead of 8%.
+# set up: less wall time and peak memory for more padding (docs/cpu-performance.md).
 SHAPE_MULTIPLE = 64
 
 
@@ -72,8 +71,7 @@ def plan_generation_batches(lengths: list[int], batch_size: int, row_tokens: int
     """Indices of `lengths` in order of length, cut into batches of at most `batch_size` rows
     whose rows x longest prompt stays within batch_size x row_tokens (a longer prompt alone),
     so the long tail of a prompt set does not pay a full batch's padding and prefill for its
-    longest prompt. Measured on the 128 longest medium prompts (171-840 tokens, bf16, 96 new
-    tokens): one batch 170 s, batches within 128 x 256 tokens 117 s, 128 x 128 101 s."""
+    longest prompt (measured: docs/cpu-performance.md)."""
     cap = batch_size * row_tokens
     batches: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):

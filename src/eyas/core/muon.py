@@ -14,8 +14,7 @@ norm and applies one quintic five times. eyas's default (`FAST`) divides further
 of it on the drafter's momenta where the Frobenius norm is 1.3-3x off (it costs no product: the
 Gram matrix is the first step's), and then applies three quintics, each its own, fitted to map
 every singular value in [0.01, 1] into [0.75, 1.31] (the reference maps [0.01, 1] into
-[0.68, 1.13] in five). Three steps instead of five: 0.12 s instead of 0.19 s per optimizer step
-for SmolLM2's drafter in bf16 on 2 CPU cores, about 7% of a 1024-token training step.
+[0.68, 1.13] in five). Three matrix-product steps instead of five (timed in docs/cpu-performance.md).
 
 Why eyas has its own and not `torch.optim.Muon`: that one runs the iteration in bf16, which
 on a CPU without native bf16 costs about five times the fp32 iteration; here the iteration's

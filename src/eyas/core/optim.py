@@ -41,7 +41,6 @@ def make_optimizer(drafter: Eagle3Drafter, optimizer: str = "muon", lr: float = 
     hidden = [p for n, p in trainable if p.ndim == 2 and not n.startswith("lm_head")]
     ids = {id(p) for p in hidden}
     # the Newton-Schulz iteration in the training's compute dtype: bf16 (as torch.optim.Muon) where bf16 is
-    # native, fp32 where it is not: there a bf16 iteration cost about 5x (SmolLM2's drafter on a 2-core AVX2
-    # EPYC: 2.3 s vs 0.46 s per step)
+    # native, fp32 where it is not: there a bf16 iteration costs about 5x (docs/cpu-performance.md)
     return MuonAdamW(hidden, [p for _, p in trainable if id(p) not in ids], lr=lr, weight_decay=weight_decay,
                      ns_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)

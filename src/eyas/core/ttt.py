@@ -176,7 +176,7 @@ class HeadRows:
 @torch.no_grad()
 def head_rows(lm_head: torch.Tensor, target_ids: torch.Tensor, rest: bool = True) -> HeadRows:
     """Split `lm_head` (V, H) for target_table. A trainer builds it once: on a CPU gathering the
-    41k other rows of SmolLM2's head per batch made epoch-0 training steps 1.13-1.15x slower."""
+    41k other rows of SmolLM2's head per batch slowed epoch-0 training steps (docs/cpu-performance.md)."""
     target_ids = target_ids.to(lm_head.device)
     if not rest:
         empty = torch.zeros(0, dtype=torch.long, device=lm_head.device)
@@ -277,8 +277,8 @@ def vocab_argmax(states: torch.Tensor, weight: torch.Tensor, chunk: int = 256) -
 
 def row_max(z: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """`z.max(-1)` of a 2-d `z` (values, first index of each row's maximum) through block
-    maxima: on a CPU `amax` is vectorised and max-with-index is not (256 x 8192 fp32: 0.64 ms
-    instead of 2.9). The first block holding the maximum, then its first index: argmax's ties."""
+    maxima: on a CPU `amax` is vectorised and max-with-index is not (docs/cpu-performance.md).
+    The first block holding the maximum, then its first index: argmax's ties."""
     R, N = z.shape
     if N % block or N < 2 * block:
         return z.max(-1)
@@ -433,8 +433,8 @@ def ttt_forward(drafter, aux: torch.Tensor, input_ids: torch.Tensor, table: Targ
         valids.append(valid)
         h = drafter.next_input(out)
     # every step's states through the head in one call: one weight-gradient product over all
-    # steps' rows, not one per step (on a CPU, fp32, one sample of ~160 rows per batch: that
-    # product at 47 -> 110 GFLOPS, the whole step 1.05-1.07x faster)
+    # steps' rows, not one per step (larger products run nearer the CPU's GEMM peak:
+    # docs/cpu-performance.md)
     head = drafter.lm_head.weight.to(compute_dtype(normed[0]))
     n_top = min(align_topk, head.shape[0])
     ce_all, top_all, topk_all = head_soft_cross_entropy(torch.cat(normed), head, table.probs, torch.cat(rows),

@@ -7,6 +7,8 @@ is what it is tested against; none changes a result beyond floating-point order.
   transformers' sdpa / eager attention); equal outputs (tests/core/test_speculative.py, tests/stages/test_data.py).
 - `hostmem`: glibc keeps freed large buffers for reuse instead of returning them to the OS
   (plain: glibc's defaults; `EYAS_MALLOC=default`), tests/cpu/test_hostmem.py.
+- `isa`: what this CPU offers (`cpu_has_amx`), for the tricks above and the dtype policy
+  (`targets.devices`, which re-exports it).
 
 The chunked head loss of training lives with the loss it computes (`core.ttt.target_table`,
 checked against the unchunked table in tests/core/test_ttt.py). Where each trick pays, and by how

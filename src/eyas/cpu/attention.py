@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from eyas import targets
-from eyas.targets import cpu_has_amx
+from eyas.cpu.isa import cpu_has_amx
 
 GROUPED_SDPA = "eyas_sdpa_grouped"
 
@@ -40,14 +39,15 @@ def sdpa_grouped(module, query, key, value, attention_mask, dropout: float = 0.0
     return out.transpose(1, 2).contiguous(), None
 
 
-def grouped_config(model):
+def grouped_config(model, layer):
     """The config whose `_attn_implementation` the decoder layers read, when switching it to
-    `sdpa_grouped` applies (CPU, sdpa, grouped KV heads); else None. On CUDA a mask with
+    `sdpa_grouped` applies (CPU, sdpa, grouped KV heads); else None. `layer`: one of the model's
+    decoder layers (`targets.find_decoder_stack(model).layers[0]`). On CUDA a mask with
     `enable_gqa` can send SDPA to its math kernel, so there transformers' choice stands."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    attn = getattr(targets.find_decoder_stack(model).layers[0], "self_attn", None)
+    attn = getattr(layer, "self_attn", None)
     cfg = getattr(attn, "config", None)
     if (next(model.parameters()).device.type != "cpu" or cfg is None
             or getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(attn, "num_key_value_groups", 1) <= 1):
@@ -78,10 +78,8 @@ DECODE_ATTENTION = "eyas_gqa_decode"
 
 
 # Whether bf16 / fp16 decoding attention goes through SDPA's grouped-query kernel: where the CPU
-# has AMX. Per layer and step, SmolLM2 shapes, 128 rows, keys and values as views of the cache:
-# with AMX SDPA took 10 ms at 900 cached tokens against 58 for the matmul below (2026-12-02);
-# on a Zen 4 CPU without AMX (AVX512-BF16) SDPA took 6.8 / 26 / 58 ms at 100 / 400 / 900 tokens
-# and the matmul 1.0 / 8.1 / 39 (2026-12-04), so there the matmul serves every dtype.
+# has AMX. There SDPA beats the matmul below; without AMX (AVX512-BF16 alone) the matmul is faster,
+# so it serves every dtype (per-layer timings: docs/cpu-performance.md).
 LOW_PRECISION_SDPA = cpu_has_amx()
 
 

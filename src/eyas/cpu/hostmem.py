@@ -2,12 +2,10 @@
 
 glibc serves every allocation above its mmap threshold (128 KB to 32 MB, adjusted as it goes)
 with a fresh mapping and returns it to the kernel when freed, so each new (M, N) buffer of a
-training step (logits, loss gradients, 20-200 MB each) is faulted in page by page again: on
-the 2-core development VM, 4.7M page faults and 11 s of kernel time in 30 bf16 training steps.
-With the thresholds raised, freed memory stays in the heap and the next step reuses it:
-0.66M faults, 2.4 s, 7-9% less wall time over those 30 first-epoch steps (later epochs: no
-change measurable on that VM); peak RSS 3-5% higher over 30 steps, 1% lower over 200
-(`bench/RESULTS.md`). Where the user chose an allocator or glibc settings, those stand.
+training step (logits, loss gradients, 20-200 MB each) is faulted in page by page again.
+With the thresholds raised, freed memory stays in the heap and the next step reuses it: far fewer
+page faults and less kernel time (measured: docs/cpu-performance.md, "Host memory retention").
+Where the user chose an allocator or glibc settings, those stand.
 """
 
 from __future__ import annotations

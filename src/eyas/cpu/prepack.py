@@ -3,11 +3,10 @@
 
 Why: decoding multiplies a few rows (1 token, or the 2-32 of a verification step) by every
 weight matrix. With the plain row-major weight, PyTorch's CPU GEMM for more than one row
-repacks the weight on every call: on a 2-core AVX2 EPYC a SmolLM2-135M forward of 2 tokens
-cost 1.9x one of 1 token, and 6 tokens 2.2x, so verifying drafts was never cheap in fp32.
-With the weights reordered once into oneDNN's blocked layout, 1.2x for both (and 0.9x for
-1 token) of the unpacked 1-token forward (`bench/bench_prepack.py`, `bench/RESULTS.md`). Inductor's CPU
-"freezing" and IPEX do the same.
+repacks the weight on every call, so in fp32 a forward of a few tokens cost about twice a
+1-token forward and verifying drafts was never cheap. With the weights reordered once into
+oneDNN's blocked layout that overhead is mostly gone (`bench/bench_prepack.py`; figures in
+docs/cpu-performance.md). Inductor's CPU "freezing" and IPEX do the same.
 
 Only the forward changes: the module keeps its `weight` Parameter (state dicts, tied
 embeddings and Hugging Face `generate()` see the same model), plus a packed copy that is not

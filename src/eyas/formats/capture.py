@@ -1,6 +1,7 @@
 """Captured hidden states (DESIGN 7): safetensors shards + `manifest.json`, their writer
-primitives and `CaptureReader`; also the speculators offline layout and the minimal view
-of prepared data that capture and vocab need.
+primitives, the resumable loop that produces and writes planned shards (`write_shards`, for
+`eyas capture` and `serve.vllm_capture`) and `CaptureReader`; also the speculators offline
+layout and the minimal view of prepared data that capture and vocab need.
 
 A shard `shard-KKKKK.safetensors` holds the samples of one contiguous run of sample
 indices, concatenated along tokens: `aux` [sum T, n_aux*H], `last` [sum T, H] (output of
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -104,6 +106,50 @@ def write_json(path: Path, obj) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _shard_tensors(rows: list[dict], records: list) -> dict[str, torch.Tensor]:
+    out = {
+        "aux": torch.cat([r["aux"] for r in rows]),
+        "last": torch.cat([r["last"] for r in rows]),
+        "input_ids": torch.tensor([t for rec in records for t in rec.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for rec in records for m in rec.loss_mask], dtype=torch.uint8),
+    }
+    if all("argmax" in r for r in rows):
+        out["argmax"] = torch.cat([r["argmax"] for r in rows])
+    return out
+
+
+def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[int],
+                 produce: Callable[[list[int], Callable[[int], object]], list[dict]],
+                 spec_dir: Path | None) -> dict:
+    """Produce and write each of `mine` (shard numbers) unless already finished; the
+    progress bar counts tokens (produce reports each batch through its second argument)."""
+    from tqdm import tqdm
+
+    done = skipped = 0
+    total = sum(len(records[i].input_ids) for k in mine for i in shards[k])
+    bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
+    for k in mine:
+        idx = shards[k]
+        tokens = sum(len(records[i].input_ids) for i in idx)
+        if (out / shard_name(k)).is_file() and shard_rows(out / shard_name(k)) == tokens:
+            skipped += 1
+            bar.update(tokens)
+            continue
+        before = bar.n
+        rows = produce(idx, bar.update)
+        bar.update(tokens - (bar.n - before))  # a producer that does not report per batch
+        if spec_dir is not None:  # before the shard: a finished shard implies its hs_ files
+            for i, r in zip(idx, rows):
+                speculators_write_sample(spec_dir, i, torch.tensor(records[i].input_ids), speculators_states(r))
+        # one metadata key: safetensors writes several keys in no fixed order (bytes would vary)
+        meta = {"eyas": json.dumps({"format": FORMAT + ".shard", "shard": k, "first_sample": idx[0],
+                                    "samples": len(idx)}, sort_keys=True)}
+        write_shard(out, k, _shard_tensors(rows, [records[i] for i in idx]), meta)
+        done += 1
+    bar.close()
+    return {"captured_shards": done, "skipped_shards": skipped}
 
 
 # ---------------------------------------------------------------- prepared data (read side)

@@ -176,15 +176,6 @@ def detect_layout(ckpt_dir: Path) -> str:
     return "eagle"
 
 
-def target_dir(target) -> Path | None:
-    """A target spec (directory or built-in name) as a directory; None stays None."""
-    if target is None:
-        return None
-    from eyas import targets
-
-    return targets.resolve(str(target))
-
-
 def _target_config(target: Path | None) -> dict | None:
     """The language-model part of a target directory's config.json (None without a target)."""
     if target is None:
@@ -367,7 +358,7 @@ def engine_reading(ckpt_dir: Path, engine: str, target: Path | None = None) -> E
     table = TABLES[engine]
     raw, file_state, wfile = _read_dir(Path(ckpt_dir), table.weights_files + ckpt_io.WEIGHT_FILES)
     c, notes = _engine_view(raw, table)
-    aux_hf, use_aux, aux_notes = _aux_reading(c, table, _num_layers(target_dir(target)))
+    aux_hf, use_aux, aux_notes = _aux_reading(c, table, _num_layers(target))
     notes += aux_notes
     cfg = _engine_config(c, table, aux_hf, file_state, str(Path(ckpt_dir) / "config.json"))
     shapes = _expected_shapes(cfg)
@@ -501,7 +492,7 @@ def import_checkpoint(ckpt_dir: Path, layout: str | None = None,
     if layout not in LAYOUTS:
         raise EyasError(f"--from {layout!r}: unknown layout; choose one of {', '.join(LAYOUTS)}")
     raw, file_state, wfile = _read_dir(ckpt)
-    cfg, aux_src = _native_config(raw, layout, _num_layers(target_dir(target)), str(ckpt / "config.json"))
+    cfg, aux_src = _native_config(raw, layout, _num_layers(target), str(ckpt / "config.json"))
     prefixes = ("layers.0.",) if layout == "speculators" else ("midlayer.", "layers.0.") if layout == "vllm" \
         else ("midlayer.",)
     state, extra = {}, []
@@ -624,13 +615,12 @@ EMBED_NAMES = ("embed_tokens.weight", "embed_in.weight", "word_embeddings.weight
                "tok_embeddings.weight")
 
 
-def target_embedding(target) -> tuple[torch.Tensor, Path]:
-    """The target's input embedding, read from its safetensors without loading the model."""
+def target_embedding(target: Path) -> tuple[torch.Tensor, Path]:
+    """The input embedding of the target directory `target`, read from its safetensors without
+    loading the model."""
     from safetensors import safe_open
 
-    from eyas import targets
-
-    tdir = targets.resolve(str(target))
+    tdir = Path(target)
     where = {}
     for f in sorted(tdir.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
@@ -651,9 +641,10 @@ def needs_embedding(cfg: DrafterConfig, fmt: str) -> bool:
 
 
 def write_layout(cfg: DrafterConfig, state: dict[str, torch.Tensor], fmt: str, out: Path,
-                 target=None, meta: dict | None = None) -> list[str]:
-    """Write a drafter (eyas names) into the existing empty directory `out` in layout `fmt`.
-    Returns notes (what was added). Atomicity is the caller's (stages.common.atomic_dir)."""
+                 target: Path | None = None, meta: dict | None = None) -> list[str]:
+    """Write a drafter (eyas names) into the existing empty directory `out` in layout `fmt`;
+    `target`: the target's directory (resolved by the caller). Returns notes (what was added).
+    Atomicity is the caller's (stages.common.atomic_dir)."""
     from safetensors.torch import save_file
 
     out, notes = Path(out), []
@@ -696,7 +687,7 @@ def write_layout(cfg: DrafterConfig, state: dict[str, torch.Tensor], fmt: str, o
     return notes
 
 
-def export_checkpoint(ckpt_dir_eyas: Path, fmt: str, out: Path, target=None) -> list[str]:
+def export_checkpoint(ckpt_dir_eyas: Path, fmt: str, out: Path, target: Path | None = None) -> list[str]:
     """Export an eyas checkpoint to `fmt` into the existing empty directory `out` (notes returned)."""
     cfg, state, meta = import_checkpoint(ckpt_dir_eyas, "eyas")
     return write_layout(cfg, state, fmt, out, target, {"source": str(ckpt_dir_eyas), **meta.get("eyas", {})})
@@ -705,7 +696,8 @@ def export_checkpoint(ckpt_dir_eyas: Path, fmt: str, out: Path, target=None) -> 
 # ------------------------------------------------------------------ static checks
 
 
-def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = None, target=None) -> list[str]:
+def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = None,
+                 target: Path | None = None) -> list[str]:
     """Problems that make `engine` load `out_dir` broken (empty list: it would load as intended).
     `expected` defaults to the drafter config recorded in the directory's eyas.json."""
     out_dir = Path(out_dir)
@@ -718,7 +710,7 @@ def static_check(out_dir: Path, engine: str, expected: DrafterConfig | None = No
     if expected is None and (out_dir / "eyas.json").is_file():
         rec = ckpt_io.read_json(out_dir / "eyas.json").get("drafter_config")
         expected = DrafterConfig.from_dict(rec) if rec else None
-    tdir = target_dir(target)
+    tdir = Path(target) if target is not None else None
     tc = _target_config(tdir)
     num_layers = _layer_count(tc)
     r = engine_reading(out_dir, engine, tdir)

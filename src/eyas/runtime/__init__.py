@@ -4,7 +4,9 @@ functions of `eyas.core.speculative`, times every forward, and emulates how a se
 
 - `kv`: the preallocated KV cache; `runners`: target and drafter forwards as the loop drives them;
 - `decode`: plain, chain and tree decoding (`generate`), and teacher-forced drafter accuracy;
-- `loading`: a drafter checkpoint loaded as eyas runs it or as an engine would.
+- `loading`: a drafter checkpoint loaded as eyas runs it or as an engine would;
+- `batched` and `regenerate`: regeneration, the target writing the assistant turns of many
+  conversations in batches (imported by module, not re-exported below).
 
 Methods: `plain` (target alone, one token per forward), `chain` (k drafts), `tree` (EAGLE-2
 dynamic tree). Greedy output of chain/tree is the target's own greedy output; with temperature

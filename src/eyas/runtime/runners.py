@@ -61,7 +61,7 @@ class TargetRunner:
         # transformers takes one 4D mask as is for every layer; targets mixing sliding and full
         # layers (Gemma 2/3) take a mask per layer type instead
         self.mask_kinds = kinds if self.window and len(kinds) > 1 else None
-        self.grouped = grouped_config(model)
+        self.grouped = grouped_config(model, targets.find_decoder_stack(model).layers[0])
 
     def reset(self, capacity: int) -> None:
         self.pool = KVPool(self.n_layers, capacity)

@@ -1,6 +1,6 @@
 """Capture through vLLM (`eyas capture --engine vllm`): the aux states and the final state of
 each prepared sample, taken from the target as vLLM runs it (tensor / pipeline parallel), written
-into eyas's capture shards by `stages.capture.write_shards` (same plan, manifest, resume).
+into eyas's capture shards by `formats.capture.write_shards` (same plan, manifest, resume).
 
 How: vLLM's `extract_hidden_states` speculative method with eyas's KV connector
 (`serve.vllm_connector`). Each sample is one request with `max_tokens=1`: its prefill runs the
@@ -210,7 +210,7 @@ def _wait_load(path: Path) -> dict:
 
 
 def _job(job: dict) -> dict:
-    from eyas.stages.capture import write_shards
+    from eyas.formats.capture import write_shards
 
     out = Path(job["out"])
     producer = Producer(job)

@@ -1,14 +1,14 @@
 """Regeneration through vLLM (`eyas data prepare --regenerate --engine vllm`): the target, served
 by vLLM with its tensor / pipeline parallelism and continuous batching, writes every assistant
 turn; the answers land in the same work file, in the same form, as eyas's own loop
-(`eyas.regenerate`), so the rest of `data prepare` cannot tell the engines apart.
+(`eyas.runtime.regenerate`), so the rest of `data prepare` cannot tell the engines apart.
 
 Work is cut into chunks of `--batch-size` conversations in input order (vLLM needs no batching
 by length: it pads nothing). A chunk is handed to vLLM turn by turn (every conversation's first
 user turn in one `generate` call, then the second turns with the target's first answers in
 their history, ...) and appended to the work file when all its turns are answered; a rerun
 reuses finished chunks. Prompts are rendered and answers decoded by eyas with the target's
-tokenizer exactly as `eyas.regenerate` does, and vLLM stops only at eyas's end-of-turn ids
+tokenizer exactly as `eyas.runtime.regenerate` does, and vLLM stops only at eyas's end-of-turn ids
 (`ignore_eos`: the generation config's extra EOS ids do not apply), so both engines answer the
 same prompts under the same rules. Sampling (`--temperature` > 0) seeds each request from
 (seed, conversation id, turn): a resumed run samples what an uninterrupted one would.
@@ -24,8 +24,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from eyas.formats.prompts import Conversation
-from eyas.regenerate import (GenSettings, GenStats, WorkFile, answer_turns, prompt_ids, prompt_turns, with_answers,
-                             work_key)
+from eyas.formats.work import WorkFile
+from eyas.runtime.regenerate import (GenSettings, GenStats, answer_turns, prompt_ids, prompt_turns, with_answers,
+                                     work_key)
 from eyas.serve import vllm_jobs
 from eyas.serve.vllm_jobs import EngineArgs
 
@@ -112,8 +113,8 @@ def _job(job: dict) -> dict:
 
 def _answer_chunk(llm, tok, convs: list[Conversation], settings: GenSettings, stop_ids: list[int], limit: int,
                   stats: GenStats, bar) -> list[list[str]]:
-    """Answer every user turn of `convs` by eyas's rules (`regenerate.answer_turns`), one vLLM
-    `generate` call per turn round."""
+    """Answer every user turn of `convs` by eyas's rules (`runtime.regenerate.answer_turns`), one
+    vLLM `generate` call per turn round."""
     def generate(fits: list[int], histories: list[list[dict]], turn: int) -> tuple[list[str], int]:
         rows = _generate(llm, [prompt_ids(tok, h) for h in histories],
                          [_seed(settings, convs[i].id, turn) for i in fits], settings, stop_ids)

@@ -6,7 +6,7 @@ relative to), `hf` (transformers `generate()`), `pld` (HF prompt-lookup decoding
 (eyas, k drafts), `tree` (eyas, EAGLE-2 dynamic tree), and `chain+lookup` / `tree+lookup`
 (the same draft plus a prompt-lookup branch, verified in the same forward).
 
-`--serve vllm` measures in the real engine instead (eyas.serve.vllm_serve_bench): vLLM alone, with
+`--serve vllm` measures in the real engine instead (eyas.stages.bench_serve): vLLM alone, with
 the drafter and with its model-free speculation, at several concurrency levels, eyas's runtime
 (this module's `measure`) beside it on the same prompts and k.
 
@@ -21,14 +21,16 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from eyas import targets
+from eyas.config import arg, command
 from eyas.errors import EyasError, FindingsError
 from eyas.formats.engines import RUNTIME_ENGINES
-from eyas.stages.common import add_json_flag, atomic_dir, emit, provenance, refuse_out_over_inputs, write_json_atomic
+from eyas.stages.common import atomic_dir, emit, provenance, refuse_out_over_inputs, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -36,105 +38,84 @@ BASELINES = ("plain", "hf", "pld")
 PLD_TOKENS = 10
 LOOKUP = "+lookup"  # chain+lookup / tree+lookup: the drafter's draft plus a prompt-lookup branch
 EYAS_METHODS = ("chain", "tree", "chain" + LOOKUP, "tree" + LOOKUP)
-# On the 2-core AVX2 EPYC (fp32 quickstart drafter, 20 MT-bench + MBPP prompts, 64 tokens, one run
-# each): 5 tokens tree+lookup 1.13x tree in the same run (acceptance 1.93, step cost 1.44); 10 tokens
-# 1.07x (1.97, 1.49). Engines serve the drafter alone: this branch is eyas's runtime only.
+# 5 tokens: the +lookup branch's length that paid best (docs/cpu-performance.md, "The prompt-lookup branch")
 LOOKUP_TOKENS = 5
-# --methods when not given. With eyas's own runtime, tree+lookup too: on the 2-core Zen 4 EPYC (the
-# medium quickstart drafter, 16 MT-bench (2 per category) + 10 MBPP prompts, 96 tokens, fp32, one run)
-# plain 23.3 tok/s, tree 1.82x, tree+lookup 1.97x; MT-bench half 1.68x vs 1.91x (prompt lookup 1.16x).
-# Under --engine emulation only what the engine serves: the drafter alone.
+# --methods when not given: under --engine emulation only what the engine serves (the drafter alone)
 DEFAULT_METHODS = "chain,tree,tree" + LOOKUP
 ENGINE_METHODS = "chain,tree"
-# Default --draft-cutoff for fp32 on a CPU. On the 2-core AVX2 EPYC (20 MT-bench + MBPP prompts, 48
-# tokens, k 5, tree 4,5,16, interleaved with plain): a medium drafter chain 1.13x -> 1.27x, tree
-# 1.08x -> 1.29x over plain at 0.1 (0.05: 1.27x / 1.24x; 0.2: 1.26x / 1.25x); a small one
-# chain 0.98x -> 1.08x, tree 0.88x -> 1.10x at 0.08.
+# default --draft-cutoff on a CPU, fp32 and bf16 (docs/cpu-performance.md, "The draft cutoff")
 CPU_CUTOFF = 0.1
-# The same for bf16 on a CPU (an AMX machine: verifying 16 tokens costs little more than one, but
-# each draft step still costs ~5% of a target step). On the 2-core AMX VM, quickstart drafter, 20
-# MT-bench + MBPP prompts, 64 tokens, every cutoff interleaved prompt by prompt in one process, two
-# runs: tree 4,5,16 1.31x / 1.35x -> 1.47x / 1.45x over plain at 0.05 (0.02: 1.35x; 0.03: 1.49x;
-# 0.08: 1.45x; 0.1: 1.38x), chain 1.17x / 1.17x -> 1.28x / 1.24x; on its 10 held-out built-in
-# prompts tree 1.65x -> 1.73x, chain 1.48x -> 1.53x.
 CPU_BF16_CUTOFF = 0.05
 ENGINES = RUNTIME_ENGINES
 SERVE_CONCURRENCY = "1,4,16"  # --concurrency: one request at a time, a few, a busy server
 SERVE_ENGINES = ("vllm",)  # real engines `--serve` can start (SGLang's CPU path needs a kernel not on PyPI)
 
 
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """`eyas bench`: every method on the same prompts, interleaved, one report."""
+
+    target: str = arg("built-in name or local HF directory", targets.DEFAULT_TARGET)
+    drafter: list[str] | None = arg("drafter checkpoint or training run (its best/); omit for the baselines only; "
+                                    "several: a paired comparison (methods named tree@NAME)", None, metavar="D")
+    prompts: list[str] = arg("prompt files (json/jsonl/txt/parquet/arrow; first user turn, chat template applied) "
+                             "or `builtin-eval` = the eval split of --data", ["builtin-eval"], metavar="FILE")
+    data: Path | None = arg("prepared data directory (for --prompts builtin-eval)", None)
+    max_new_tokens: int = arg("tokens generated per prompt and method", 128)
+    max_prompt_tokens: int = arg("keep the last N prompt tokens", 1024)
+    k: int = arg("chain length: drafts per verification step", 5)
+    tree: str = arg("TOPK,DEPTH,TOKENS of the dynamic tree; TOKENS counts the root", "4,5,16")
+    draft_cutoff: float | None = arg(f"drop drafts whose path probability under the drafter is below P (output "
+                                     f"unchanged); default {CPU_CUTOFF} fp32 / {CPU_BF16_CUTOFF} bf16 on a CPU, else 0",
+                                     None, metavar="P")
+    methods: str | None = arg(f"comma list of chain, tree, chain+lookup, tree+lookup (+lookup: a prompt-lookup "
+                              f"branch beside each draft); default {DEFAULT_METHODS}, with --engine sglang|vllm "
+                              f"{ENGINE_METHODS}", None)
+    lookup_tokens: int = arg("length of the +lookup branch", LOOKUP_TOKENS)
+    temperature: float = arg("sampling temperature; 0 = greedy", 0.0)
+    top_p: float = arg("nucleus sampling with --temperature > 0", 1.0)
+    baselines: str | None = arg("comma list of plain, hf, pld (plain always runs; default plain,hf,pld, with "
+                                "--serve plain)", None)
+    engine: str = arg("run the checkpoint as eyas does, or as SGLang / vLLM would load and feed it", "eyas",
+                      choices=ENGINES)
+    serve: str | None = arg("serve the target in the real engine, plain, with the drafter and with its ngram method, "
+                            "at each --concurrency; eyas's runtime beside it", None, choices=SERVE_ENGINES)
+    concurrency: str | None = arg(f"with --serve: requests in flight, one level per number (default "
+                                  f"{SERVE_CONCURRENCY})", None, metavar="N,..")
+    serve_methods: str | None = arg("with --serve: comma list of drafter, ngram, suffix (needs arctic-inference); "
+                                    "default: drafter (with --drafter), ngram, and suffix where installed", None,
+                                    metavar="M,..")
+    eager: bool = arg("with --serve: skip vLLM's compilation (enforce_eager); default compiled", False)
+    dtype: str = arg("fp32 (greedy output checked token for token against plain decoding), bf16, or auto "
+                     "(what this machine decodes fastest)", "fp32", choices=("fp32", "bf16", "auto"))
+    device: str = arg("cpu, cuda, cuda:N or auto", "cpu")
+    no_prepack: bool = arg("keep PyTorch's plain CPU linear layers (default in fp32 on a CPU: prepacked weights, "
+                           "same outputs)", False)
+    threads: int | None = arg("torch CPU threads (default: torch's; on a shared CPU 1 avoids OpenMP stalls)", None)
+    limit: int | None = arg("use N prompts, taken round-robin across categories in file order", None)
+    repeats: int = arg("run every method R times per prompt (order rotated) and keep the median run", 1)
+    seed: int = arg("sampling seed", 0)
+    out: Path = arg("report directory", Path("bench-report"))
+    force: bool = arg("replace a non-empty --out", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="speculative decoding vs baselines on the same prompts, one report",
-                       description=__doc__.split("\n\n")[0] + " Acceptance length = mean over verification "
-                       "steps of (accepted drafts + 1).")
-    p.add_argument("--target", default=targets.DEFAULT_TARGET, help="built-in name or local HF directory")
-    p.add_argument("--drafter", nargs="+", metavar="D",
-                   help="drafter checkpoint or training run (its best/); omit to run the baselines only; several: "
-                   "a paired comparison in one run (methods named tree@NAME)")
-    p.add_argument("--prompts", nargs="+", default=["builtin-eval"], metavar="FILE",
-                   help="prompt files (json/jsonl/txt/parquet/arrow; first user turn, chat template applied) or "
-                   "`builtin-eval` = the eval split of --data")
-    p.add_argument("--data", help="prepared data directory (for --prompts builtin-eval)")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="tokens generated per prompt and method (default 128)")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="keep the last N prompt tokens (default 1024)")
-    p.add_argument("--k", type=int, default=5, help="chain length: drafts per verification step (default 5)")
-    p.add_argument("--tree", default="4,5,16",
-                   help="TOPK,DEPTH,TOKENS of the dynamic tree; TOKENS counts the root (default 4,5,16)")
-    p.add_argument("--draft-cutoff", type=float, metavar="P",
-                   help=f"drop drafts whose path probability under the drafter is below P (output unchanged); "
-                   f"default {CPU_CUTOFF} fp32 / {CPU_BF16_CUTOFF} bf16 on a CPU, else 0 (0 = the full budget)")
-    p.add_argument("--methods", default=None,
-                   help=f"comma list of chain, tree, chain+lookup, tree+lookup (+lookup: a prompt-lookup branch "
-                        f"beside each draft); default {DEFAULT_METHODS}, with --engine sglang|vllm {ENGINE_METHODS}")
-    p.add_argument("--lookup-tokens", type=int, default=LOOKUP_TOKENS,
-                   help=f"length of the +lookup branch (default {LOOKUP_TOKENS})")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (default 1.0)")
-    p.add_argument("--baselines", default=None, help="comma list of plain, hf, pld (plain is always run; default "
-                   "plain,hf,pld, with --serve plain)")
-    p.add_argument("--engine", default="eyas", choices=ENGINES,
-                   help="run the checkpoint as eyas does, or as SGLang / vLLM would load and feed it")
-    p.add_argument("--serve", choices=SERVE_ENGINES,
-                   help="serve the target in the real engine, without and with the drafter and with its ngram "
-                   "method, at each --concurrency, from the engine's own counters; eyas's runtime beside it")
-    p.add_argument("--concurrency", default=None, metavar="N,..",
-                   help="with --serve: requests in flight, one level per number (1 = one request at a time; "
-                   f"default {SERVE_CONCURRENCY})")
-    p.add_argument("--serve-methods", default=None, metavar="M,..",
-                   help="with --serve: comma list of drafter, ngram, suffix (needs arctic-inference); default: "
-                   "drafter (with --drafter), ngram, and suffix where installed")
-    p.add_argument("--eager", action="store_true",
-                   help="with --serve: skip vLLM's compilation (enforce_eager); default compiled")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "auto"),
-                   help="fp32 (default: greedy output checked token for token against plain decoding), bf16, or "
-                   "auto (docs/cpu-performance.md)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
-    p.add_argument("--no-prepack", action="store_true",
-                   help="keep PyTorch's plain CPU linear layers (default in fp32 on a CPU: prepacked weights, same "
-                   "outputs; docs/cpu-performance.md)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; on a shared CPU 1 avoids "
-                   "OpenMP stalls)")
-    p.add_argument("--limit", type=int, help="use N prompts, taken round-robin across categories in file order")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="run every method R times per prompt (order rotated) and keep the median run (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--out", default="bench-report", help="report directory (default ./bench-report)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
-    add_json_flag(p)
-    p.set_defaults(func=run, auto_dtype=targets.decode_dtype)  # what --dtype auto means here (eyas.cli)
+    p = command(sub, "bench", BenchConfig, run, help="speculative decoding vs baselines on the same prompts, one "
+                "report", description=__doc__.split("\n\n")[0] + " Acceptance length = mean over verification "
+                "steps of (accepted drafts + 1).")
+    p.set_defaults(auto_dtype=targets.decode_dtype)  # what --dtype auto means here (eyas.cli)
 
 
 # ---------------------------------------------------------------- inputs
 
 
 def default_cutoff(device: torch.device, dtype: torch.dtype, engine: str = "eyas") -> float:
-    """`--draft-cutoff` unless given. On a CPU: CPU_CUTOFF in fp32 (each verified token costs: a
-    16-token forward ~1.8x a 1-token one on the AVX2 EPYC), CPU_BF16_CUTOFF in bf16 (the AMX
-    machines' choice: 16-32 tokens verify for little more than one, so the cutoff pays by the draft
-    steps it saves, at a lower probability). Else 0: on a GPU verification and draft steps cost
-    little (launch-bound), and no cutoff was measured there. An emulated engine (`--engine
-    sglang|vllm`) drafts its full budget, as the engine does."""
+    """`--draft-cutoff` unless given. On a CPU, where each verified token costs: CPU_CUTOFF in fp32,
+    CPU_BF16_CUTOFF in bf16 (on AMX many tokens verify for little more than one, so the cutoff pays
+    by the draft steps it saves, at a lower probability). Else 0: on a GPU verification and draft
+    steps cost little (launch-bound), and no cutoff was measured there. An emulated engine
+    (`--engine sglang|vllm`) drafts its full budget, as the engine does."""
     if engine != "eyas" or torch.device(device).type != "cpu":
         return 0.0
     return {torch.float32: CPU_CUTOFF, torch.bfloat16: CPU_BF16_CUTOFF}.get(dtype, 0.0)
@@ -300,66 +281,67 @@ def kind(method: str) -> str:
     return method.partition("@")[0].removesuffix(LOOKUP)
 
 
-def check_args(args) -> None:
-    """Numbers bench cannot run with: exit 2 before the target loads. Resolves the default --methods."""
-    if args.methods is None:  # a real engine serves a chain: eyas's runtime runs the same beside it
-        args.methods = "chain" if getattr(args, "serve", None) else \
-            DEFAULT_METHODS if args.engine == "eyas" else ENGINE_METHODS
-    if getattr(args, "baselines", None) is None:
-        args.baselines = "plain" if getattr(args, "serve", None) else "plain,hf,pld"
-    if not getattr(args, "serve", None):
-        given = [f for f, v in (("--concurrency", getattr(args, "concurrency", None)),
-                                ("--serve-methods", getattr(args, "serve_methods", None)),
-                                ("--eager", getattr(args, "eager", False))) if v]
+def resolve(cfg: BenchConfig) -> BenchConfig:
+    """The config with its defaults that depend on other flags filled in (--methods, --baselines,
+    --concurrency); exits 2 (EyasError) on numbers bench cannot run with, before the target loads."""
+    serve = cfg.serve is not None
+    if cfg.methods is None:  # a real engine serves a chain: eyas's runtime runs the same beside it
+        cfg = replace(cfg, methods="chain" if serve else DEFAULT_METHODS if cfg.engine == "eyas" else ENGINE_METHODS)
+    if cfg.baselines is None:
+        cfg = replace(cfg, baselines="plain" if serve else "plain,hf,pld")
+    if not serve:
+        given = [f for f, v in (("--concurrency", cfg.concurrency), ("--serve-methods", cfg.serve_methods),
+                                ("--eager", cfg.eager)) if v]
         if given:
             raise EyasError(f"{', '.join(given)}: only with --serve vllm (the real engine); add it, or drop them")
-    elif getattr(args, "concurrency", None) is None:
-        args.concurrency = SERVE_CONCURRENCY
-    method_list(args, [])  # unknown, repeated or engine-less methods and baselines
-    for flag, v in (("--k", args.k), ("--max-new-tokens", args.max_new_tokens), ("--limit", args.limit),
-                    ("--threads", args.threads), ("--max-prompt-tokens", args.max_prompt_tokens),
-                    ("--repeats", args.repeats), ("--lookup-tokens", args.lookup_tokens)):
+    elif cfg.concurrency is None:
+        cfg = replace(cfg, concurrency=SERVE_CONCURRENCY)
+    method_list(cfg, [])  # unknown, repeated or engine-less methods and baselines
+    for flag, v in (("--k", cfg.k), ("--max-new-tokens", cfg.max_new_tokens), ("--limit", cfg.limit),
+                    ("--threads", cfg.threads), ("--max-prompt-tokens", cfg.max_prompt_tokens),
+                    ("--repeats", cfg.repeats), ("--lookup-tokens", cfg.lookup_tokens)):
         if v is not None and v < 1:
             raise EyasError(f"{flag} {v}: must be a positive integer")
-    if not 0 <= args.temperature < math.inf:
-        raise EyasError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy), e.g. 0.7")
-    if not 0 < args.top_p <= 1:
-        raise EyasError(f"--top-p {args.top_p}: must lie in (0, 1], e.g. 0.95")
-    if args.draft_cutoff is not None and not 0 <= args.draft_cutoff < 1:
-        raise EyasError(f"--draft-cutoff {args.draft_cutoff}: must lie in [0, 1), e.g. {CPU_CUTOFF}")
-    if args.drafter:
-        drafter_names(args.drafter)  # the same checkpoint twice
-    if args.drafter and not [m for m in args.methods.split(",") if m.strip()]:
+    if not 0 <= cfg.temperature < math.inf:
+        raise EyasError(f"--temperature {cfg.temperature}: must be a finite number >= 0 (0 = greedy), e.g. 0.7")
+    if not 0 < cfg.top_p <= 1:
+        raise EyasError(f"--top-p {cfg.top_p}: must lie in (0, 1], e.g. 0.95")
+    if cfg.draft_cutoff is not None and not 0 <= cfg.draft_cutoff < 1:
+        raise EyasError(f"--draft-cutoff {cfg.draft_cutoff}: must lie in [0, 1), e.g. {CPU_CUTOFF}")
+    if cfg.drafter:
+        drafter_names(cfg.drafter)  # the same checkpoint twice
+    if cfg.drafter and not [m for m in cfg.methods.split(",") if m.strip()]:
         raise EyasError("--methods is empty: with --drafter, run chain and/or tree (e.g. --methods chain,tree)")
+    return cfg
 
 
-def run(args) -> int:
-    if getattr(args, "serve", None):  # the real engine: eyas.serve.vllm_serve_bench drives it
-        from eyas.serve import vllm_serve_bench
+def run(cfg: BenchConfig) -> int:
+    if cfg.serve:  # the real engine: eyas.stages.bench_serve drives it
+        from eyas.stages import bench_serve
 
-        return vllm_serve_bench.run(args)
-    if args.drafter:  # a training run stands for its best/ (else final/), as in every command taking a drafter
+        return bench_serve.run(cfg)
+    if cfg.drafter:  # a training run stands for its best/ (else final/), as in every command taking a drafter
         from eyas.formats.checkpoint import resolve_drafter
 
-        args.drafter = [str(resolve_drafter(Path(p))[0]) for p in args.drafter]
-    check_args(args)
-    refuse_out_over_inputs(args.out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts,
-                                      "--target": targets.local_dir(args.target)})
-    report, results, prompts, tok = measure(args)
-    with atomic_dir(Path(args.out), args.force) as tmp:
+        cfg = replace(cfg, drafter=[str(resolve_drafter(Path(p))[0]) for p in cfg.drafter])
+    cfg = resolve(cfg)
+    refuse_out_over_inputs(cfg.out, {"--drafter": cfg.drafter, "--data": cfg.data, "--prompts": cfg.prompts,
+                                     "--target": targets.local_dir(cfg.target)})
+    report, results, prompts, tok = measure(cfg)
+    with atomic_dir(Path(cfg.out), cfg.force) as tmp:
         write_report(tmp, report, results, prompts, tok)
-    report["out"] = str(Path(args.out).resolve())
-    emit(args, report["summary"] | {"out": report["out"]}, human_summary(report))
+    report["out"] = str(Path(cfg.out).resolve())
+    emit(cfg, report["summary"] | {"out": report["out"]}, human_summary(report))
     mism = report["summary"].get("greedy_mismatches")
-    if args.dtype == "fp32" and args.temperature <= 0 and mism:
+    if cfg.dtype == "fp32" and cfg.temperature <= 0 and mism:
         raise FindingsError(f"eyas greedy output differs from plain greedy decoding on {mism} prompt(s) in fp32; "
                             f"see {report['out']}/report.json (a runtime bug: please report it)")
     return 0
 
 
-def measure(args) -> tuple[dict, dict[str, list[dict]], list[dict], object]:
+def measure(args: BenchConfig) -> tuple[dict, dict[str, list[dict]], list[dict], object]:
     """Load the target and drafters, run every method on every prompt: (report, results, prompts,
-    tokenizer). `args` as `check_args` left them; nothing is written."""
+    tokenizer). `args` as `resolve` returns it; nothing is written."""
     from eyas import runtime
 
     device = targets.parse_device(args.device)

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import shutil
-import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -262,52 +261,7 @@ class Forward:
         return out
 
 
-# ---------------------------------------------------------------- writing shards
-
-
-def _shard_tensors(rows: list[dict], records: list) -> dict[str, torch.Tensor]:
-    out = {
-        "aux": torch.cat([r["aux"] for r in rows]),
-        "last": torch.cat([r["last"] for r in rows]),
-        "input_ids": torch.tensor([t for rec in records for t in rec.input_ids], dtype=torch.int32),
-        "loss_mask": torch.tensor([m for rec in records for m in rec.loss_mask], dtype=torch.uint8),
-    }
-    if all("argmax" in r for r in rows):
-        out["argmax"] = torch.cat([r["argmax"] for r in rows])
-    return out
-
-
-def write_shards(out: Path, records: list, shards: list[list[int]], mine: list[int],
-                 produce: Callable[[list[int], Callable[[int], object]], list[dict]],
-                 spec_dir: Path | None) -> dict:
-    """Produce and write each of `mine` (shard numbers) unless already finished; the
-    progress bar counts tokens (produce reports each batch through its second argument)."""
-    from tqdm import tqdm
-
-    done = skipped = 0
-    total = sum(len(records[i].input_ids) for k in mine for i in shards[k])
-    bar = tqdm(total=total, desc="capture", unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True)
-    for k in mine:
-        idx = shards[k]
-        tokens = sum(len(records[i].input_ids) for i in idx)
-        if (out / fcap.shard_name(k)).is_file() and fcap.shard_rows(out / fcap.shard_name(k)) == tokens:
-            skipped += 1
-            bar.update(tokens)
-            continue
-        before = bar.n
-        rows = produce(idx, bar.update)
-        bar.update(tokens - (bar.n - before))  # a producer that does not report per batch
-        if spec_dir is not None:  # before the shard: a finished shard implies its hs_ files
-            for i, r in zip(idx, rows):
-                fcap.speculators_write_sample(spec_dir, i, torch.tensor(records[i].input_ids),
-                                              fcap.speculators_states(r))
-        # one metadata key: safetensors writes several keys in no fixed order (bytes would vary)
-        meta = {"eyas": json.dumps({"format": fcap.FORMAT + ".shard", "shard": k, "first_sample": idx[0],
-                                    "samples": len(idx)}, sort_keys=True)}
-        fcap.write_shard(out, k, _shard_tensors(rows, [records[i] for i in idx]), meta)
-        done += 1
-    bar.close()
-    return {"captured_shards": done, "skipped_shards": skipped}
+# ---------------------------------------------------------------- the manifest
 
 
 def build_manifest(common: dict, pid: str, records: list, shards: list[list[int]], mine: list[int],
@@ -432,7 +386,7 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
                 tick(sum(lengths[i] for i in batch))
             return [got[i] for i in idx]
 
-        counts = write_shards(cfg.out, records, shards, mine, produce, spec_dir)
+        counts = fcap.write_shards(cfg.out, records, shards, mine, produce, spec_dir)
     finally:
         fwd.close()
     part = {"index": cfg.shard_index, "count": cfg.num_shards} if cfg.num_shards > 1 else None
@@ -585,7 +539,7 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     pid = plan_id(common, shards)
     check_disk(out, sum(len(r.input_ids) for r in records) * bpt, force)
     prepare_out(out, pid, force)
-    write_shards(out, records, shards, list(range(len(shards))), lambda idx, tick: [rows[i][1] for i in idx], None)
+    fcap.write_shards(out, records, shards, list(range(len(shards))), lambda idx, tick: [rows[i][1] for i in idx], None)
     m = build_manifest(common, pid, records, shards, list(range(len(shards))), out, None)
     finish(out, m, records, None, {"imported_from": {"format": kind, "dir": str(src)}, **provenance()})
     return {"out": str(out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(shards)}

@@ -29,10 +29,6 @@ def emit(args, summary: dict, human: str) -> None:
         print(human)
 
 
-def add_json_flag(p) -> None:
-    p.add_argument("--json", action="store_true", help="print a machine-readable JSON summary")
-
-
 @contextmanager
 def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; on success it replaces `out`, on failure it is

@@ -2,7 +2,7 @@
 masks (optionally with answers written by the target), split into train/eval.
 
 Orchestration only: file loading lives in `eyas.formats.prompts`, rendering and the
-on-disk format in `eyas.formats.data`, generation in `eyas.regenerate`.
+on-disk format in `eyas.formats.data`, generation in `eyas.runtime.regenerate`.
 """
 
 from __future__ import annotations
@@ -26,15 +26,11 @@ from eyas.stages.common import TARGET_RUNNERS, atomic_dir, emit, provenance, ref
 
 log = logging.getLogger(__name__)
 # prompts per regeneration batch on a CPU (`--batch-size` default). A decoding step's small matrix
-# products cost nearly as much for 64 rows as for 128, so wider batches write more tokens per second:
-# `bench/bench_regenerate.py --prompts 128 --max-new-tokens 160 --hf-batch 0 --eyas-batch 64,128`
-# (bf16, 2 threads, 2026-12-01, 8 rounds over three runs on a noisy VM): median 394 vs 444 tok/s
-# (1.13x; 128 ahead in 6 of 8 rounds). 256 on 256 prompts: 1.06x over 128, for twice the KV cache.
+# products cost nearly as much for 64 rows as for 128, so wider batches write more tokens per second
+# (measured with `bench/bench_regenerate.py`: docs/cpu-performance.md).
 REGEN_BATCH = 128
-# The engine `--regenerate` uses unless told: eyas's own loop. It needs no engine start (50-65 s for vLLM
-# on the 2-core CPU), and the one comparison so far (`bench/bench_vllm_regenerate_capture.py`, 2026-12-07)
-# ran on a machine kept at load 7-9 by other jobs, which slowed eyas's in-process loop far more than vLLM's
-# worker (see docs/scale.md): not clean enough to change the default.
+# The engine `--regenerate` uses unless told: eyas's own loop. It needs no engine start, which vLLM pays
+# on every command; vLLM only overtakes it on large jobs (docs/scale.md, "What it costs").
 DEFAULT_ENGINE = "eyas"
 
 EPILOG = """\
@@ -209,7 +205,7 @@ def _check_template(tok, path: Path) -> None:
 
 
 def _load_inputs(inputs: list[str]) -> tuple[list[Conversation], dict]:
-    from eyas.builtin_prompts import PUBLIC, SOURCE, builtin_prompts
+    from eyas.formats.builtin_prompts import PUBLIC, SOURCE, builtin_prompts
 
     files = [PUBLIC if x == "builtin-public" else Path(x) for x in inputs if x != "builtin"]
     convs, stats = fprompts.load_prompt_files_with_stats(files, keywords=("builtin", "builtin-public"))
@@ -242,13 +238,13 @@ def _prompt_len(tok, conv: Conversation) -> int:
 
 def _regenerate(args: PrepareConfig, path: Path, convs: list[Conversation], stats: dict, held: set[str],
                 drops: Counter, engine_args=None) -> tuple[list[Conversation], dict]:
-    from eyas.regenerate import GenSettings, regenerate
+    from eyas.runtime.regenerate import GenSettings, regenerate
 
     if args.engine == "vllm":
         return _regenerate_vllm(args, path, convs, drops, engine_args)
 
     model, tok = targets.load(path, dtype=args.dtype, device=args.device)
-    packed = targets.prepack_for_decoding(model)  # fp32 CPU: 1.2-1.4x faster batched decoding, same answers
+    packed = targets.prepack_for_decoding(model)  # fp32 CPU: faster batched decoding, same answers
     _check_template(tok, path)
     self_info = None
     if args.self_prompts:
@@ -289,7 +285,7 @@ def _regenerate_vllm(args: PrepareConfig, path: Path, convs: list[Conversation],
                      engine_args) -> tuple[list[Conversation], dict]:
     """`--regenerate --engine vllm`: the same settings and work file through `serve.vllm_generate`;
     the target is never loaded here (it may need several GPUs)."""
-    from eyas.regenerate import GenSettings
+    from eyas.runtime.regenerate import GenSettings
     from eyas.serve import vllm_generate
 
     tok = _load_tokenizer(path)
@@ -313,7 +309,7 @@ def _self_prompts(args, path: Path, model, tok, convs: list[Conversation], stats
                   held: set[str]) -> tuple[list[Conversation], dict]:
     """Add `--self-prompts` prompts written by the target (distinct from the loaded ones and
     from --exclude's) to `convs`, as source `self`."""
-    from eyas.regenerate import SELF_SETTINGS, SELF_SOURCE, write_prompts
+    from eyas.runtime.regenerate import SELF_SETTINGS, SELF_SOURCE, write_prompts
 
     settings = replace(SELF_SETTINGS, batch_size=args.batch_size, seed=args.seed)
     taken = {fprompts.dedup_key(c) for c in convs} | held

@@ -7,47 +7,48 @@ report), 2 for bad usage (EyasError).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.config import arg, command
 from eyas.doctor.findings import REGISTRY
 from eyas.errors import EyasError, FindingsError
 from eyas.formats.engines import SERVING
-from eyas.stages.common import add_json_flag
 
 ENGINE_CHOICES = (*SERVING, "all")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DoctorConfig:
+    """`eyas doctor`: what to check a drafter checkpoint against."""
+
+    ckpt: Path = arg("drafter checkpoint directory (eyas, SGLang, vLLM, speculators, EAGLE)", positional=True)
+    target: str | None = arg("target model (built-in name or local HF directory)", None)
+    engine: str = arg("engine(s) to check against", "all", choices=ENGINE_CHOICES)
+    data: Path | None = arg("prepared data directory (vocabulary coverage; prompts for the dynamic checks)", None)
+    against: Path | None = arg("vocab file or another checkpoint to compare the draft vocabulary with", None)
+    prompts: list[Path] | None = arg("prompt file(s) for the dynamic checks (needs --target), as for bench", None,
+                                     metavar="FILE")
+    num_prompts: int = arg("prompts used by the dynamic checks", 8)
+    new_tokens: int = arg("target tokens generated per prompt", 32)
+    steps: int = arg("draft steps measured (chain depth)", 5)
+    device: str = arg("where the target runs for the embedding and dynamic checks: cpu, cuda, cuda:N or auto "
+                      "(the teacher-forced drafter checks run on the CPU)", "cpu")
+    no_decode: bool = arg("skip the real speculative-decoding cross-check (eyas.runtime) of the dynamic checks",
+                          False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
 def register(sub) -> None:
-    p = sub.add_parser(
-        "doctor", help="check a drafter checkpoint against every engine's contract",
-        description="Static checks (keys each engine reads or skips, shapes, d2t/t2d, config vs weights, aux ids, "
-                    "NaN/Inf, untrained weights, dtypes); with --target: sizes, embedding, aux ids against the "
-                    "target's depth, engine support for its architecture; with --target and --prompts/--data: "
-                    "step-0 accuracy and acceptance per engine reading, the variant that restores it, predicted "
-                    "acceptance and engine flags. Exit 0: no errors, 1: errors found, 2: bad usage. "
-                    f"Finding ids: {', '.join(sorted(REGISTRY))}.")
-    p.add_argument("ckpt", type=Path, help="drafter checkpoint directory (eyas, SGLang, vLLM, speculators, EAGLE)")
-    p.add_argument("--target", default=None, help="target model (built-in name or local HF directory)")
-    p.add_argument("--engine", choices=ENGINE_CHOICES, default="all", help="engine(s) to check against")
-    p.add_argument("--data", type=Path, default=None, help="prepared data directory (vocabulary coverage; "
-                   "prompts for the dynamic checks)")
-    p.add_argument("--against", type=Path, default=None, help="vocab file or another checkpoint to compare "
-                   "the draft vocabulary with")
-    p.add_argument("--prompts", type=Path, nargs="+", action="extend", default=None, metavar="FILE",
-                   help="prompt file(s) for the dynamic checks (needs --target), as for bench: several after "
-                   "one flag, or the flag repeated")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts used by the dynamic checks")
-    p.add_argument("--new-tokens", type=int, default=32, help="target tokens generated per prompt")
-    p.add_argument("--steps", type=int, default=5, help="draft steps measured (chain depth)")
-    p.add_argument("--device", default="cpu", help="where the target runs for the embedding and dynamic checks: "
-                   "cpu, cuda, cuda:N or auto (default cpu; the teacher-forced drafter checks run on the CPU)")
-    p.add_argument("--no-decode", action="store_true", help="skip the real speculative-decoding cross-check "
-                   "(eyas.runtime) of the dynamic checks")
-    add_json_flag(p)
-    p.set_defaults(func=run)
+    command(sub, "doctor", DoctorConfig, run, help="check a drafter checkpoint against every engine's contract",
+            description="Static checks (keys each engine reads or skips, shapes, d2t/t2d, config vs weights, aux "
+            "ids, NaN/Inf, untrained weights, dtypes); with --target: sizes, embedding, aux ids against the target's "
+            "depth, engine support for its architecture; with --target and --prompts/--data: step-0 accuracy and "
+            "acceptance per engine reading, the variant that restores it, predicted acceptance and engine flags. "
+            f"Exit 0: no errors, 1: errors found, 2: bad usage. Finding ids: {', '.join(sorted(REGISTRY))}.")
 
 
-def run(args) -> int:
+def run(args: DoctorConfig) -> int:
     from eyas import targets
     from eyas.doctor.run import ALL_ENGINES, DoctorOptions, diagnose
 
@@ -76,7 +77,7 @@ def run(args) -> int:
     rep = diagnose(DoctorOptions(args.ckpt, args.target, engines, args.engine != "all", args.data, args.against,
                                  args.prompts, args.num_prompts, args.new_tokens, args.steps,
                                  not args.no_decode, args.device))
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps(rep.to_dict(), indent=2, default=_jsonable))
     else:
         print(rep.human())

@@ -97,7 +97,7 @@ def vllm_line(drafter_dir: Path, target):
     """The vLLM invocation for an exported drafter, with the default k (nothing measured yet)."""
     from eyas.serve import vllm_engine
 
-    tdir = engines.target_dir(target) if target else None
+    tdir = targets.resolve(str(target)) if target else None
     return vllm_engine.deployment_line(tdir or "TARGET", Path(drafter_dir).resolve())
 
 
@@ -106,18 +106,19 @@ def write_export(src: Path, layout: str, fmt: str, out: Path, *, target=None, fo
     """Write `src` (in `layout`) to `out` as `fmt`, then check it as that engine would load it;
     refuses (FindingsError, nothing written) a drafter the engine would load broken unless `force`.
     Returns the summary `eyas export --json` prints."""
-    cfg, state, imported = engines.import_checkpoint(src, layout, target=target)
+    tdir = targets.resolve(str(target)) if target else None
+    cfg, state, imported = engines.import_checkpoint(src, layout, target=tdir)
     meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": imported.get("aux_layer_ids_source"),
             **({"trained": imported["eyas"]} if "eyas" in imported else {}), "provenance": provenance(args)}
     refuse_out_over_inputs(out, {"source": src, "--target": targets.local_dir(target)})
     with atomic_dir(out, force=force) as tmp:
-        notes = engines.write_layout(cfg, state, fmt, tmp, target=target, meta=meta)
+        notes = engines.write_layout(cfg, state, fmt, tmp, target=tdir, meta=meta)
         notes += [imported["note"]] if imported.get("note") else []
-        problems = engines.static_check(tmp, fmt, expected=cfg, target=target)
-        other = targets.trained_for_other(src, engines.target_dir(target)) if target else None
+        problems = engines.static_check(tmp, fmt, expected=cfg, target=tdir)
+        other = targets.trained_for_other(src, tdir) if tdir else None
         problems += [f"{other}: pass the drafter's own --target"] if other else []
         if fmt != "eyas":
-            notes += engines.engine_reading(tmp, fmt, engines.target_dir(target)).notes
+            notes += engines.engine_reading(tmp, fmt, tdir).notes
         if problems and not force:
             raise FindingsError(f"refused to write {out} for {fmt}: " + "; ".join(problems)
                                 + " (fix the drafter, or pass --force to write it anyway)")

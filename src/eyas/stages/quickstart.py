@@ -3,10 +3,11 @@ fetch the target, prepare the built-in prompts with answers written by the targe
 build the draft vocabulary, capture features, train, and bench on the eval split (never
 trained on) — then print one summary table and where the report is.
 
-Each stage runs through the public CLI (`eyas.cli.main`) into OUT/<stage>-<hash>, where the
-hash covers the stage's argv (which names its inputs, themselves hashed directories), the
-target's fingerprint and eyas's own code. A stage whose done-marker
-(OUT/.done/<stage>-<hash>.json) exists is skipped, so a rerun only redoes what changed.
+Each stage is its stage function called with its config (the one its command line would
+build; the log shows that command) into OUT/<stage>-<hash>, where the hash covers the config
+(which names its inputs, themselves hashed directories), the target's fingerprint and eyas's
+own code. A stage whose done-marker (OUT/.done/<stage>-<hash>.json) exists is skipped, so a
+rerun only redoes what changed.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ from pathlib import Path
 from typing import Callable
 
 from eyas import targets
+from eyas.config import arg, build, command, to_argv, to_json
 from eyas.errors import EyasError
+from eyas.stages import bench as bench_stage
+from eyas.stages import capture as capture_stage
 from eyas.stages import data as data_stage
+from eyas.stages import train as train_stage
+from eyas.stages import vocab as vocab_stage
 from eyas.stages.bench import DEFAULT_METHODS, default_cutoff, method_rows
-from eyas.stages.common import add_json_flag, emit, write_json_atomic
+from eyas.stages.common import emit, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -92,47 +98,64 @@ STAGES = ("target", "data", "vocab", "capture", "train", "bench")
 # the stages run in fp32 on a CPU without native bf16 (measured: docs/results/quickstart-plans.md)
 FP32_CPU_SLOWDOWN = (2.6, 1.0, 3.6, 3.9, 3.0)
 
-# The per-stage argv, in one table: {placeholders} are filled from the plan and from the
-# directories of earlier stages. Keep stage flags here only.
-ARGV: dict[str, list[str]] = {
-    "data": ["data", "prepare", "--target", "{target}", "--input", "{inputs}", "--regenerate",
-             "--limit", "{prompts}", "--max-new-tokens", "{answer_tokens}", "--eval-fraction", "{eval_fraction}",
-             "--max-len", "{max_len}", "--batch-size", "{regen_batch}", "--device", "{device}", "--dtype", "{dtype}",
-             "--out", "{out}", "--force"],
-    "vocab": ["vocab", "build", "--data", "{data}", "--size", "{draft_vocab}", "--target", "{target}",
-              "--out", "{out}/vocab.safetensors", "--force"],
-    "capture": ["capture", "--target", "{target}", "--data", "{data}", "--device", "{device}", "--dtype", "{dtype}",
-                "--out", "{out}", "--force"],
-    "train": ["train", "--target", "{target}", "--capture", "{capture}", "--vocab", "{vocab}/vocab.safetensors",
-              "--epochs", "{train_epochs}", "--max-steps", "{train_max_steps}", "--ttt", "{ttt}",
-              "--batch-tokens", "{batch_tokens}", "--max-len", "{max_len}", "--device", "{device}",
-              "--dtype", "{dtype}", "--aux-gain", "rms", "--optimizer", "{optimizer}", "{time_budget}",
-              "--out", "{out}", "--force"],
-    # --aux-gain explicit: runs trained before it are not reused. {time_budget}: see train_budget.
-    # --optimizer: each plan's own (Plan.optimizer), the one its minutes and steps were measured with
-    "bench": ["bench", "--target", "{target}", "--drafter", "{train}/final", "--prompts", "builtin-eval",
-              "--data", "{data}", "--limit", "{bench_prompts}", "--max-new-tokens", "{bench_new_tokens}",
-              "--tree", "{tree}", "--draft-cutoff", "{draft_cutoff}", "--baselines", "plain,pld",
-              "--methods", DEFAULT_METHODS,
-              "--device", "{device}", "--dtype", "{bench_dtype}", "--out", "{out}", "--force"],
-    # the cutoff and methods explicit: a changed default reruns the stage. Baselines plain and prompt lookup only:
-    # transformers' generate() costs a quarter of the bench and is never the fastest plain decoding
-    # (docs/results/quickstart-plans.md)
+
+
+@dataclass(frozen=True)
+class StageCall:
+    """How the quickstart runs one stage: the `eyas` words of its command, and its config built
+    from the plan's values and the directories of the stages before it."""
+
+    words: tuple[str, ...]
+    run: Callable[[object], int]
+    config: Callable[[dict], object]
+
+
+# Keep the stages' settings here only. --aux-gain explicit: runs trained before it are not reused;
+# --optimizer: each plan's own (Plan.optimizer), the one its minutes and steps were measured with;
+# --time-budget: see train_budget. Bench: the cutoff and methods explicit, so a changed default reruns
+# the stage; baselines plain and prompt lookup only: transformers' generate() costs a quarter of the
+# bench and is never the fastest plain decoding (docs/results/quickstart-plans.md).
+CALLS: dict[str, StageCall] = {
+    "data": StageCall(("data", "prepare"), data_stage.run_prepare, lambda v: build(
+        data_stage.PrepareConfig, target=v["target"], input=list(v["inputs"]), regenerate=True, limit=v["prompts"],
+        max_new_tokens=v["answer_tokens"], eval_fraction=v["eval_fraction"], max_len=v["max_len"],
+        batch_size=v["regen_batch"], device=v["device"], dtype=v["dtype"], out=v["out"], force=True)),
+    "vocab": StageCall(("vocab", "build"), vocab_stage.run_build, lambda v: build(
+        vocab_stage.BuildConfig, data=[v["data"]], size=v["draft_vocab"], target=v["target"],
+        out=f"{v['out']}/vocab.safetensors", force=True)),
+    "capture": StageCall(("capture",), capture_stage.run_capture, lambda v: build(
+        capture_stage.CaptureConfig, target=v["target"], data=v["data"], device=v["device"], dtype=v["dtype"],
+        out=v["out"], force=True)),
+    "train": StageCall(("train",), train_stage.train, lambda v: build(
+        train_stage.TrainConfig, target=v["target"], capture=[v["capture"]], vocab=f"{v['vocab']}/vocab.safetensors",
+        epochs=v["train_epochs"], max_steps=v["train_max_steps"], ttt=v["ttt"], batch_tokens=v["batch_tokens"],
+        max_len=v["max_len"], device=v["device"], dtype=v["dtype"], aux_gain="rms", optimizer=v["optimizer"],
+        time_budget=v["time_budget"], out=v["out"], force=True)),
+    "bench": StageCall(("bench",), bench_stage.run, lambda v: build(
+        bench_stage.BenchConfig, target=v["target"], drafter=[f"{v['train']}/final"], prompts=["builtin-eval"],
+        data=v["data"], limit=v["bench_prompts"], max_new_tokens=v["bench_new_tokens"], tree=v["tree"],
+        draft_cutoff=v["draft_cutoff"], baselines="plain,pld", methods=DEFAULT_METHODS, device=v["device"],
+        dtype=v["bench_dtype"], out=v["out"], force=True)),
 }
 
 
+@dataclass(frozen=True)
+class QuickstartConfig:
+    budget: str = arg("small: a trained drafter within a 19.5-minute deadline on a CPU; medium: about 4,000 "
+                      "prompts, 3 epochs; large: sized for a GPU (docs/usage.md describes the plans)", "small",
+                      choices=tuple(PLANS))
+    target: str = arg("the target (for tests and other targets; default the built-in one)", targets.DEFAULT_TARGET,
+                      cli=False)
+    out: Path = arg("work directory (reused by reruns)", Path("eyas-quickstart"))
+    device: str = arg("where every stage runs: cpu, cuda, cuda:N or auto (cuda when present, else cpu); the "
+                      "dtype follows it (bf16 on CUDA)", "auto")
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("quickstart", help="the whole pipeline on the built-in target, end to end",
-                       description=__doc__.split("\n\n")[0])
-    p.add_argument("--budget", default="small", choices=tuple(PLANS),
-                   help="small: a trained drafter within a 19.5-minute deadline on a CPU; medium: about 4,000 "
-                   "prompts, 3 epochs; large: sized for a GPU (docs/usage.md describes the plans)")
+    p = command(sub, "quickstart", QuickstartConfig, run, help="the whole pipeline on the built-in target, end to end",
+                description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=targets.DEFAULT_TARGET, help=argparse.SUPPRESS)  # for tests / other targets
-    p.add_argument("--out", type=Path, default=Path("eyas-quickstart"), help="work directory (reused by reruns)")
-    p.add_argument("--device", default="auto", help="where every stage runs: cpu, cuda, cuda:N or auto (cuda when "
-                   "present, else cpu; default auto); the dtype follows it (bf16 on CUDA)")
-    add_json_flag(p)
-    p.set_defaults(func=run)
 
 
 # ---------------------------------------------------------------- pipeline
@@ -155,28 +178,17 @@ def files_hash(root: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def stage_key(stage: str, argv: list[str], fingerprint: str) -> str:
-    """Content hash of a stage: its argv (inputs are hashed dirs), the target fingerprint and
-    eyas's code (`code_fingerprint`)."""
-    blob = json.dumps({"stage": stage, "argv": argv, "target": fingerprint, "eyas": code_fingerprint()})
+def stage_key(stage: str, config: dict, fingerprint: str) -> str:
+    """Content hash of a stage: its config as JSON (inputs are hashed dirs), the target fingerprint
+    and eyas's code (`code_fingerprint`)."""
+    blob = json.dumps({"stage": stage, "config": config, "target": fingerprint, "eyas": code_fingerprint()})
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def fill(template: list[str], values: dict) -> list[str]:
-    """Format each token; a token that is exactly one placeholder of a tuple value expands to its items."""
-    out: list[str] = []
-    for t in template:
-        v = values.get(t[1:-1]) if t.startswith("{") and t.endswith("}") else None
-        out += list(v) if isinstance(v, tuple) else [t.format(**values)]
-    return out
-
-
-def run_stage_cli(argv: list[str], quiet: bool) -> int:
-    """One stage through the public CLI; its stdout goes to stderr under --json."""
-    from eyas.cli import main
-
+def run_stage(stage: str, cfg, quiet: bool) -> None:
+    """One stage's function called with its config; its stdout goes to stderr under --json."""
     with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
-        return main(argv)
+        CALLS[stage].run(cfg)
 
 
 # regeneration batch (`data prepare --batch-size`): the CLI's default on a CPU; a GPU decodes a
@@ -202,15 +214,9 @@ def train_budget(deadline: float, elapsed: float, bench_minutes: float) -> float
     return max(2.0, deadline - elapsed - TRAIN_STAGE_OVERHEAD - bench_minutes)
 
 
-def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
-                 runner: Callable[[list[str], bool], int] = run_stage_cli, device: str = "cpu") -> dict:
-    """Run (or reuse) every stage on `device`; returns {stages: [...], bench: summary or None}."""
-    dev = targets.parse_device(device)
-    out = Path(out).resolve()
-    (out / ".done").mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    tdir = targets.resolve(target)
-    fp = targets.fingerprint(tdir)
+def _on_this_machine(plan: Plan, dev) -> tuple[Plan, dict, tuple[float, ...]]:
+    """(the plan to run, the values the stage configs are built from, ETA factors per stage) on
+    `dev`. The concrete device and dtypes go into every config, hence into the stage hashes."""
     dtype = targets.fast_dtype(str(dev)) if plan.dtype == "auto" else plan.dtype
     # the bench decodes in fp32 on a CPU without AMX even where training runs in bf16 (targets.decode_dtype)
     bench_dtype = targets.decode_dtype(str(dev)) if plan.dtype == "auto" else plan.dtype
@@ -223,21 +229,35 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
         plan, slow = plan.fp32_cpu, (1.0,) * len(FP32_CPU_SLOWDOWN)
         log.info("fp32 on a CPU: the plan sized for it (%d prompts, %d epochs, %d-token draft vocabulary)",
                  plan.prompts, plan.train_epochs, plan.draft_vocab)
-    # the concrete device and dtype go into every argv, hence into the stage hashes
-    values = {**asdict(plan), "target": str(tdir), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type],
-              "dtype": dtype, "bench_dtype": bench_dtype,
-              "draft_cutoff": default_cutoff(dev, targets.parse_dtype(bench_dtype))}
+    values = {**asdict(plan), "device": str(dev), "regen_batch": REGEN_BATCH[dev.type], "dtype": dtype,
+              "bench_dtype": bench_dtype, "draft_cutoff": default_cutoff(dev, targets.parse_dtype(bench_dtype)),
+              "time_budget": None}
     if bench_dtype == "fp32" and dev.type == "cpu":
         values["tree"] = FP32_CPU_TREE
+    return plan, values, slow
+
+
+def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
+                 runner: Callable[[str, object, bool], None] = run_stage, device: str = "cpu") -> dict:
+    """Run (or reuse) every stage on `device`; returns {stages: [...], bench: summary or None}."""
+    dev = targets.parse_device(device)
+    out = Path(out).resolve()
+    (out / ".done").mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    tdir = targets.resolve(target)
+    fp = targets.fingerprint(tdir)
+    plan, values, slow = _on_this_machine(plan, dev)
+    values["target"] = str(tdir)
     rows = [{"stage": "target", "status": "ok", "seconds": round(time.perf_counter() - t_start, 1), "dir": str(tdir)}]
     remaining = [m * f for m, f in zip(plan.minutes[1:], slow)]  # CPU minutes: no estimate on a GPU
     planned = dict(zip(STAGES[1:], remaining))
     timed = plan.deadline is not None and dev.type == "cpu"
-    # a timed train stage's hash names the deadline, not the minutes it got (they depend on the hour)
-    values["time_budget"] = ("--time-budget", f"deadline-{plan.deadline}") if timed else ()
     for i, stage in enumerate(STAGES[1:], start=2):
-        argv_t = ARGV[stage]
-        key = stage_key(stage, fill(argv_t, {**values, "out": "OUT"}), fp)
+        call = CALLS[stage]
+        hashed = to_json(call.config({**values, "out": "OUT"}))
+        if stage == "train" and timed:  # the hash names the deadline, not the minutes it got (they depend on the hour)
+            hashed["time_budget"] = f"deadline-{plan.deadline}"
+        key = stage_key(stage, hashed, fp)
         sdir = out / f"{stage}-{key}"
         marker = out / ".done" / f"{stage}-{key}.json"
         values[stage] = str(sdir)
@@ -248,25 +268,27 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
             log.info("[%d/%d] %s: reused %s", i, len(STAGES), stage, sdir)
             continue
         elapsed = (time.perf_counter() - t_start) / 60
+        budget = None
         if stage == "train" and timed:
-            budget = train_budget(plan.deadline, elapsed, planned["bench"])
+            budget = round(train_budget(plan.deadline, elapsed, planned["bench"]), 2)
             log.info("train: --time-budget %.1f min aims the run at %.1f min (elapsed %.1f, %.1f kept for "
                      "the bench)", budget, plan.deadline, elapsed, planned["bench"])
-            argv = fill(argv_t, {**values, "out": str(sdir), "time_budget": ("--time-budget", f"{budget:.2f}")})
-        else:
-            argv = fill(argv_t, {**values, "out": str(sdir)})
+        cfg = call.config({**values, "out": str(sdir), "time_budget": budget})
+        command = " ".join(to_argv(call.words, cfg))
         if timed:  # only training gives way to the deadline
             eta = max(min(eta, plan.deadline - elapsed), sum(planned[s] for s in STAGES[i - 1:] if s != "train"))
         left = f"about {eta:.0f} min left" if dev.type == "cpu" else "no estimate on a GPU"
-        log.info("[%d/%d] %s (elapsed %.1f min, %s): eyas %s", i, len(STAGES), stage, elapsed, left, " ".join(argv))
+        log.info("[%d/%d] %s (elapsed %.1f min, %s): eyas %s", i, len(STAGES), stage, elapsed, left, command)
         sdir.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        code = runner(argv, quiet)
-        if code != 0:
-            raise EyasError(f"quickstart: stage {stage} failed (exit {code}); rerun `eyas {' '.join(argv)}` "
-                            f"to see why, then rerun quickstart (finished stages are reused)")
+        try:
+            runner(stage, cfg, quiet)
+        except EyasError as e:
+            raise type(e)(f"quickstart: stage {stage} failed: {e} (the stage's command: `eyas {command}`; "
+                          "finished stages are reused when quickstart is rerun)") from e
         secs = time.perf_counter() - t0
-        write_json_atomic(marker, {"stage": stage, "argv": argv, "seconds": secs, "key": key,
+        write_json_atomic(marker, {"stage": stage, "command": ["eyas", *to_argv(call.words, cfg)],
+                                   "config": to_json(cfg), "seconds": secs, "key": key,
                                    "eyas_code": code_fingerprint()})
         rows.append({"stage": stage, "status": "ran", "seconds": round(secs, 1), "dir": str(sdir)})
     bench, gap = _bench_summary(Path(values["bench"]))
@@ -299,7 +321,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    result = run_pipeline(args.target, args.out, PLANS[args.budget], quiet=bool(args.json), device=args.device)
-    emit(args, result, table(result))
+def run(cfg: QuickstartConfig) -> int:
+    result = run_pipeline(cfg.target, cfg.out, PLANS[cfg.budget], quiet=cfg.json, device=cfg.device)
+    emit(cfg, result, table(result))
     return 0

@@ -169,6 +169,7 @@ def _features(cfg, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], s
     L = tcfg.num_hidden_layers
     if cfg.online:
         from eyas.formats.data import read_manifest, read_samples
+        from eyas.targets.online import OnlineSource
 
         m = read_manifest(cfg.data)
         if not targets.same_target(tdir, m.get("target_fingerprint") or "none"):
@@ -178,7 +179,7 @@ def _features(cfg, tdir: Path, tcfg, model, dist_) -> tuple[object, list[int], s
         layers = targets.parse_layers(cfg.layers, L)
         splits = {s: read_samples(cfg.data, s) for s in ("train", "eval")}
         _some_supervised((s.loss_mask for s in splits["train"]), cfg.max_len, f"--data {cfg.data}")
-        return features.OnlineSource(splits, model, layers, cfg.max_len), layers, str(cfg.data)
+        return OnlineSource(splits, model, layers, cfg.max_len), layers, str(cfg.data)
     from eyas.formats.capture import CaptureReader
 
     readers = []

@@ -3,8 +3,9 @@ atomic checkpoints with exact resume, DDP/FSDP, metrics (JSONL, TensorBoard, plo
 
 The components it wires live where their layer is: the tensor math (TTT attention, loss,
 metrics) in `core.ttt`, batch planning in `core.batching`, optimizers in `core.optim`, the
-process group in `core.distributed`, feature sources in `formats.features`, checkpoint files in
-`formats.checkpoint`. `eyas.stages.train` resolves and validates the inputs, then runs `Trainer`.
+process group in `core.distributed`, feature sources in `formats.features` (captured) and
+`targets.online` (made by the target), checkpoint files in `formats.checkpoint`.
+`eyas.stages.train` resolves and validates the inputs, then runs `Trainer`.
 """
 
 from __future__ import annotations
@@ -99,9 +100,8 @@ class Trainer:
         drafter.to(self.device)
         self.lm_head = target.lm_head.to(self.device, torch.bfloat16 if self.autocast else torch.float32)
         self.target_ids = (torch.arange(drafter.d2t.numel()) + drafter.d2t.cpu()).to(self.device)
-        # split once (draft rows, other rows): on a CPU the per-batch gather (41k of SmolLM2's rows, epoch 0)
-        # made epoch-0 steps 1.13-1.15x slower (quickstart small, bf16, one thread, two alternating runs each:
-        # 1.80 / 1.51 s vs 1.60 / 1.31 s per step); on a GPU it is cheap and a second copy of a large head is not
+        # split once (draft rows, other rows): on a CPU a per-batch gather (41k of SmolLM2's rows, epoch 0)
+        # slowed epoch-0 steps (docs/cpu-performance.md); on a GPU it is cheap and a second copy of a large head is not
         # without the other rows (~100 MB of SmolLM2's head in fp32) when every sample brings its argmax
         rest = not getattr(source, "argmax_stored", lambda: False)()
         self.head_rows = ttt.head_rows(self.lm_head, self.target_ids, rest) if self.device.type == "cpu" else None

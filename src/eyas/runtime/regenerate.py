@@ -1,13 +1,13 @@
 """Regeneration: the target writes the assistant turns itself (EAGLE-3 trains the drafter
 on the target's own distribution, not on the dataset's answers).
 
-Batched decoding (`decode_batch`: one preallocated KV cache, left padding, prompts of similar
-length batched together, finished rows leaving the batch); greedy unless a temperature is
-given. Multi-turn conversations are answered turn by turn, each turn seeing the target's
+Batched decoding (`runtime.batched.decode_batch`: one preallocated KV cache, left padding, prompts
+of similar length batched together, finished rows leaving the batch); greedy unless a temperature
+is given. Multi-turn conversations are answered turn by turn, each turn seeing the target's
 earlier answers. Resumable: every finished batch is appended (and fsynced) to
-`<work_dir>/batches.jsonl`; a rerun with the same target, prompts and settings reuses
-them and generates the rest. Each batch seeds its own sampler, so a resumed run writes
-exactly what an uninterrupted one would.
+`<work_dir>/batches.jsonl` (`formats.work.WorkFile`); a rerun with the same target, prompts and
+settings reuses them and generates the rest. Each batch seeds its own sampler, so a resumed run
+writes exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import logging
-import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -26,12 +23,10 @@ from pathlib import Path
 import torch
 
 from eyas.core.batching import plan_generation_batches
-from eyas.cpu.attention import plain_attention, register_decode_attention
 from eyas.errors import EyasError
 from eyas.formats.prompts import Conversation, dedup_key
-
-log = logging.getLogger(__name__)
-WORK_VERSION = 3  # 3: each batch record carries its `cut` count
+from eyas.formats.work import WORK_VERSION, WorkFile
+from eyas.runtime.batched import decode_batch
 
 
 @dataclass(frozen=True)
@@ -69,46 +64,6 @@ def work_key(fingerprint: str, settings: GenSettings, convs: list[Conversation])
     return h.hexdigest()
 
 
-class WorkFile:
-    """Finished batches, one JSON line each, appended and fsynced; stale or torn lines dropped."""
-
-    def __init__(self, work_dir: Path, key: str):
-        self.dir = Path(work_dir)
-        self.path = self.dir / "batches.jsonl"
-        state = self.dir / "state.json"
-        if self.dir.exists():
-            try:
-                same = json.loads(state.read_text()).get("key") == key
-            except (OSError, json.JSONDecodeError):
-                same = False
-            if not same:
-                log.warning("%s holds work for other prompts or settings; starting over", self.dir)
-                shutil.rmtree(self.dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if not state.is_file():
-            state.write_text(json.dumps({"key": key}) + "\n")
-        self.done: dict[int, dict] = {}
-        good = []
-        if self.path.is_file():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # torn last line of a killed run
-                self.done[rec["batch"]] = rec
-                good.append(line)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(g + "\n" for g in good), encoding="utf-8")
-        os.replace(tmp, self.path)
-
-    def append(self, rec: dict) -> None:
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        self.done[rec["batch"]] = rec
-
-
 def seed_batch(settings: GenSettings, b: int) -> None:
     """Seed torch's global RNG for batch b alone, so a resumed run samples what an
     uninterrupted one would."""
@@ -131,82 +86,6 @@ def generate_batch(model, tokenizer, histories: list[list[dict]], settings: GenS
     rows = decode_batch(model, prompts, settings.max_new_tokens, stop_ids, settings.temperature, tick)
     answers = [tokenizer.decode([t for t in row if t not in stop_ids], skip_special_tokens=True) for row in rows]
     return answers, sum(len(row) for row in rows)
-
-
-@torch.inference_mode()
-def decode_batch(model, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                 temperature: float = 0.0, tick: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Continue each prompt until its first stop token (kept) or max_new_tokens: greedy, or
-    sampled at `temperature` (torch's global RNG). Left-padded batch in one preallocated KV
-    cache; finished sequences leave the batch once a quarter of it has finished, so short
-    answers stop costing compute (transformers' `generate()` carries them to the end). Padding
-    is id 0, masked out. `tick(n)` after each step: the n answer tokens it wrote (progress)."""
-    prev = model.config._attn_implementation
-    try:
-        return _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, tick)
-    finally:
-        model.set_attn_implementation(prev)
-
-
-def _decode_batch(model, prompts, max_new_tokens, stop_ids, temperature, tick) -> list[list[int]]:
-    from transformers.cache_utils import Cache
-
-    from eyas import targets
-    from eyas.runtime import PreallocLayer
-
-    dev = model.device
-    B, L = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L + max_new_tokens, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, L - len(p):L] = 1
-    pos = (mask[:, :L].cumsum(-1) - 1).clamp(min=0)
-    n_layers = len(targets.find_decoder_stack(model).layers)
-    cache = Cache(layers=[PreallocLayer(L + max_new_tokens) for _ in range(n_layers)])
-    logits = model(input_ids=ids.to(dev), attention_mask=mask[:, :L].to(dev), position_ids=pos.to(dev),
-                   past_key_values=cache, use_cache=True, logits_to_keep=_last(L)).logits[:, -1]
-    if dev.type == "cpu" and plain_attention(model):  # one query per row from here on
-        model.set_attn_implementation(register_decode_attention())
-    nxt = pos[:, -1] + 1  # next position of each live row
-    live = torch.arange(B)  # original index of each live row
-    done = torch.zeros(B, dtype=torch.bool)
-    stops = torch.tensor(stop_ids, dtype=torch.long)
-    out: list[list[int]] = [[] for _ in range(B)]
-    for step in range(max_new_tokens):
-        if temperature > 0:
-            tok = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1)[:, 0].cpu()
-        else:
-            tok = logits.float().argmax(-1).cpu()
-        for r, t in zip(live.tolist(), tok.tolist()):
-            out[r].append(t)
-        if tick is not None:
-            tick(int((~done).sum()))  # rows finished earlier ride along; their tokens are cut below
-        done = done | torch.isin(tok, stops)
-        if step == max_new_tokens - 1 or bool(done.all()):
-            break
-        if int(done.sum()) * 4 >= live.numel():  # else finished rows ride along, cut below
-            keep = (~done).nonzero()[:, 0]
-            live, tok, nxt, mask, done = live[keep], tok[keep], nxt[keep], mask[keep], done[keep]
-            for layer in cache.layers:
-                layer.keep_sequences(keep.to(dev))
-        mask[:, L + step] = 1
-        logits = model(input_ids=tok[:, None].to(dev), attention_mask=mask[:, :L + step + 1].to(dev),
-                       position_ids=nxt[:, None].to(dev), past_key_values=cache, use_cache=True).logits[:, -1]
-        nxt = nxt + 1
-    for row in out:
-        cut = next((i for i, t in enumerate(row) if t in stop_ids), None)
-        if cut is not None:
-            del row[cut + 1:]
-    return out
-
-
-def _last(L: int) -> torch.Tensor:
-    """`logits_to_keep` for the last position as an index tensor: the integer form slices the
-    hidden states to a (B, 1, H) view that the LM head cannot fold into one matrix product, so
-    torch.matmul expanded the head to (B, H, vocab) and copied it (3.6 GB and ~8 s per batch of
-    64 on SmolLM2 in bf16); indexing hands the head a contiguous (B, 1, H)."""
-    return torch.tensor([L - 1])
 
 
 def answer_turns(tokenizer, convs: list[Conversation], settings: GenSettings, limit: int, stats: GenStats,

@@ -10,11 +10,11 @@ Owns the orchestration and the report of that comparison. vLLM runs in child pro
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from eyas import targets
@@ -79,9 +79,10 @@ def serve_methods(args) -> list[str]:
     return list(dict.fromkeys(wanted))
 
 
-def check_serve_args(args) -> tuple[list[int], list[str]]:
-    """Bad --serve usage: exit 2 before anything starts."""
-    bench.check_args(args)
+def check_serve_args(args: bench.BenchConfig) -> tuple[bench.BenchConfig, list[int], list[str]]:
+    """(the resolved config, concurrency levels, engine methods); bad --serve usage exits 2 before
+    anything starts."""
+    args = bench.resolve(args)
     if args.drafter and len(args.drafter) > 1:
         raise EyasError("--serve benches one --drafter per run (vLLM serves one drafter); run it once per drafter")
     if args.temperature > 0:
@@ -90,7 +91,7 @@ def check_serve_args(args) -> tuple[list[int], list[str]]:
     if args.dtype not in vllm_engine.DTYPES:
         raise EyasError(f"--dtype {args.dtype} with --serve: vLLM runs {', '.join(vllm_engine.DTYPES)}")
     vllm_engine.require()
-    return parse_concurrency(args.concurrency), serve_methods(args)
+    return args, parse_concurrency(args.concurrency), serve_methods(args)
 
 
 # ---------------------------------------------------------------- the drafter
@@ -123,12 +124,10 @@ def drafter_sides(path: Path, tmp: Path, final: Path, target: Path, args) -> dic
 
 def eyas_side(args, drafter: tuple[Path, str] | None):
     """eyas's runtime on the same prompts and k: `eyas bench`'s own measurement (plain + chain)."""
-    a = argparse.Namespace(**vars(args))
-    a.serve = None
-    if drafter:
-        a.drafter, a.engine = [str(drafter[0])], drafter[1]
     # the engine drafts its full budget: so does eyas here unless told otherwise
-    a.draft_cutoff = 0.0 if args.draft_cutoff is None else args.draft_cutoff
+    a = replace(args, serve=None, draft_cutoff=0.0 if args.draft_cutoff is None else args.draft_cutoff)
+    if drafter:
+        a = replace(a, drafter=[str(drafter[0])], engine=drafter[1])
     report, results, prompts, tok = bench.measure(a)
     gc.collect()  # the target's weights go before vLLM starts
     return report, results, prompts, tok
@@ -406,7 +405,7 @@ def write_report(out: Path, report: dict, prompts: list[dict], served: dict, tok
 
 def run(args) -> int:
     """`eyas bench --serve vllm`."""
-    levels, methods = check_serve_args(args)
+    args, levels, methods = check_serve_args(args)
     out = Path(args.out)
     refuse_out_over_inputs(out, {"--drafter": args.drafter, "--data": args.data, "--prompts": args.prompts,
                                  "--target": targets.local_dir(args.target)})
