@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from eyas import runtime, targets
+from eyas.config import build
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.stages import bench
 
@@ -209,8 +210,7 @@ def main() -> None:
         print(json.dumps(optimizer_cost(tdir, device, a.optim)))
         return
     _, tok = targets.load(tdir)
-    prompts = bench.load_prompts(argparse.Namespace(prompts=a.prompts, data=a.data, limit=a.limit,
-                                                    max_prompt_tokens=1024), tok)
+    prompts = bench.load_prompts(build(bench.BenchConfig, prompts=a.prompts, data=a.data, limit=a.limit), tok)
     if a.profile:
         for dtype in ("fp32", "bf16"):
             profile_plain(tdir, device, dtype, prompts[0]["ids"], a.profile)

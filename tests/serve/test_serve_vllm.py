@@ -7,7 +7,6 @@ without vLLM skips them (fixture `vllm_ready`), CI fails instead.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
@@ -91,8 +90,7 @@ def _prompt_ids(drafter) -> list[list[int]]:
     from eyas.stages import bench
 
     tok = AutoTokenizer.from_pretrained(drafter.target)
-    args = argparse.Namespace(prompts=[str(drafter.prompts)], data=None, limit=None, max_prompt_tokens=1024)
-    return [p["ids"].tolist() for p in bench.load_prompts(args, tok)]
+    return [p["ids"].tolist() for p in bench.load_prompts(bench.BenchConfig(prompts=[str(drafter.prompts)]), tok)]
 
 
 @pytest.fixture(scope="module")

@@ -131,8 +131,9 @@ def parse_tree(spec: str) -> tuple[int, int, int]:
     return topk, depth, tokens
 
 
-def load_prompts(args, tok) -> list[dict]:
-    """[{id, category, ids (LongTensor)}] from prompt files or the eval split of --data."""
+def load_prompts(args: BenchConfig, tok) -> list[dict]:
+    """[{id, category, ids (LongTensor)}] from prompt files or the eval split of --data (the config's
+    prompts, data, limit and max_prompt_tokens)."""
     if args.prompts == ["builtin-eval"]:
         if not args.data:
             raise EyasError("--prompts builtin-eval needs --data DIR (a prepared data directory)")
