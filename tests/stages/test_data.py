@@ -286,56 +286,6 @@ def test_self_prompts_are_written_by_the_target_answered_and_resumable(tiny_targ
     assert not (tmp_path / "run.self.partial").exists() and not (tmp_path / "run.partial").exists()
 
 
-def test_plan_batches_bounds_rows_and_padded_tokens():
-    """Regeneration batches: by length, at most batch_size rows, rows x longest prompt within
-    batch_size x row_tokens (a prompt longer than that alone), every prompt exactly once."""
-    from eyas.core.batching import plan_generation_batches as plan_batches
-
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(20, 90, (300,), generator=g).tolist() + [300, 150, 2000, 700, 120]
-    batches = plan_batches(lengths, batch_size=16, row_tokens=64)
-    flat = [i for b in batches for i in b]
-    assert sorted(flat) == list(range(len(lengths)))
-    assert [lengths[i] for i in flat] == sorted(lengths)
-    for b in batches:
-        assert len(b) <= 16
-        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 16 * 64
-    assert [len(b) for b in batches][-2:] == [1, 1]  # 700 and 2000 tokens: alone
-    short = [b for b in batches if max(lengths[i] for i in b) <= 64]
-    assert len(short) >= 10 and all(len(b) == 16 for b in short[:-1])  # short prompts fill whole batches
-    assert plan_batches([10, 30, 20], batch_size=2) == [[0, 2], [1]]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("sdpa", [False, True])
-def test_gqa_attention_equals_eager(dtype, sdpa, monkeypatch):
-    """The grouped-query attention used for batched decoding equals transformers' eager
-    attention (which copies each KV head to its query heads) computed in fp64, with a padding
-    mask, on keys and values that are views of a longer buffer as the decoding cache hands
-    them over (broadcast matmul; bf16 on an AMX CPU: SDPA's grouped kernel, to bf16 rounding).
-    Both kernels run here whatever this CPU has."""
-    from types import SimpleNamespace
-
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    from eyas.cpu import attention
-    from eyas.cpu.attention import gqa_attention
-
-    monkeypatch.setattr(attention, "LOW_PRECISION_SDPA", sdpa)
-
-    g = torch.Generator().manual_seed(0)
-    B, H, kvh, T, S, D = 3, 6, 2, 2, 11, 8
-    q = torch.randn(B, H, T, D, generator=g)
-    k, v = (torch.randn(B, kvh, S + 5, D, generator=g)[:, :, :S] for _ in range(2))
-    mask = torch.zeros(B, 1, T, S + 5)  # longer than the cache: only its first S columns count
-    mask[0, :, :, :4] = torch.finfo(torch.float32).min  # left padding of row 0
-    mod = SimpleNamespace(num_key_value_groups=H // kvh, training=False)
-    want, _ = eager_attention_forward(mod, q.double(), k.double(), v.double(), mask[..., :S].double(), scaling=0.3)
-    got, _ = gqa_attention(mod, q.to(dtype), k.to(dtype), v.to(dtype), mask.to(dtype), scaling=0.3)
-    assert got.dtype == dtype and got.shape == want.shape
-    assert torch.allclose(got.double(), want, atol=1e-6 if dtype == torch.float32 else 2e-2)
-
-
 # ---------------------------------------------------------------- bad input
 
 

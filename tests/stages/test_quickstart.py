@@ -101,6 +101,14 @@ def test_failed_stage_is_an_error_and_not_marked_done(tiny_target, tmp_path):
     assert [r["status"] for r in res["stages"][1:3]] == ["reused", "reused"]
 
 
+def test_a_stage_returning_a_nonzero_code_is_a_failure(monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setitem(qs.CALLS, "data", replace(qs.CALLS["data"], run=lambda cfg: 1))
+    with pytest.raises(EyasError, match="exit code 1"):
+        qs.run_stage("data", None, quiet=True)
+
+
 def test_stage_configs_are_what_their_printed_commands_parse_to(tiny_target, tmp_path):
     """Each stage's config, written as the command line the quickstart logs and records, parses
     with the real CLI back to the same config: the printed command reruns the stage exactly."""

@@ -111,6 +111,7 @@ class EngineTable:
     architectures: tuple[str, ...]
     # (file key prefix, flag): the loader drops those keys without a word while the flag is off
     dropped_unless: tuple[tuple[str, str], ...] = ()
+    eagle_config_flags: tuple[str, ...] = ()  # flags read from eagle_config first, else the top level
 
 
 TABLES: dict[str, EngineTable] = {
@@ -124,7 +125,7 @@ TABLES: dict[str, EngineTable] = {
     "vllm": EngineTable("vllm", ("midlayer.", "layers.0."), "midlayer.", ("t2d",), "error", "top_level",
                         FLAGS, 3, "target_hidden", "if_hidden_differs",
                         ("model.safetensors", "pytorch_model.bin"), ("Eagle3LlamaForCausalLM",),
-                        (("input_norm.", "norm_before_fc"),)),
+                        (("input_norm.", "norm_before_fc"),), ("norm_before_fc",)),
     "speculators": EngineTable("speculators", ("layers.0.",), "layers.0.", (), "skip", "speculators", FLAGS,
                                None, "hidden", "optional", ("model.safetensors",), ("Eagle3Speculator",)),
 }
@@ -331,10 +332,9 @@ def _engine_config(c: dict, table: EngineTable, aux_hf: list[int] | None, state:
         target_hidden = int(c["target_hidden_size"]) if c.get("target_hidden_size") is not None else hidden
     n_aux = table.n_aux or (len(aux_hf) if aux_hf else 3)
     draft = c.get("draft_vocab_size") or f["vocab_size"]
-    flags = {k: bool(c.get(k, False)) for k in table.flags}
     ec = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
-    if table.name == "vllm" and "norm_before_fc" in ec:  # llama_eagle3.py: eagle_config's wins over top-level
-        flags["norm_before_fc"] = bool(ec["norm_before_fc"])
+    flags = {k: bool(ec[k] if k in ec and k in table.eagle_config_flags else c.get(k, False))
+             for k in table.flags}
     ids = list(aux_hf) if aux_hf and len(aux_hf) == n_aux else [-1] * n_aux
     return DrafterConfig(target_hidden_size=target_hidden, draft_vocab_size=int(draft), aux_layer_ids=ids,
                          **f, **flags)

@@ -186,9 +186,12 @@ def stage_key(stage: str, config: dict, fingerprint: str) -> str:
 
 
 def run_stage(stage: str, cfg, quiet: bool) -> None:
-    """One stage's function called with its config; its stdout goes to stderr under --json."""
+    """One stage's function called with its config; its stdout goes to stderr under --json. A
+    stage fails by raising EyasError; a non-zero exit code is a failure too."""
     with contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext():
-        CALLS[stage].run(cfg)
+        code = CALLS[stage].run(cfg)
+    if code:
+        raise EyasError(f"exit code {code}")
 
 
 # regeneration batch (`data prepare --batch-size`): the CLI's default on a CPU; a GPU decodes a
@@ -274,7 +277,8 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
             log.info("train: --time-budget %.1f min aims the run at %.1f min (elapsed %.1f, %.1f kept for "
                      "the bench)", budget, plan.deadline, elapsed, planned["bench"])
         cfg = call.config({**values, "out": str(sdir), "time_budget": budget})
-        command = " ".join(to_argv(call.words, cfg))
+        argv = to_argv(call.words, cfg)
+        command = " ".join(argv)
         if timed:  # only training gives way to the deadline
             eta = max(min(eta, plan.deadline - elapsed), sum(planned[s] for s in STAGES[i - 1:] if s != "train"))
         left = f"about {eta:.0f} min left" if dev.type == "cpu" else "no estimate on a GPU"
@@ -287,7 +291,7 @@ def run_pipeline(target: str, out: Path, plan: Plan, quiet: bool = False,
             raise type(e)(f"quickstart: stage {stage} failed: {e} (the stage's command: `eyas {command}`; "
                           "finished stages are reused when quickstart is rerun)") from e
         secs = time.perf_counter() - t0
-        write_json_atomic(marker, {"stage": stage, "command": ["eyas", *to_argv(call.words, cfg)],
+        write_json_atomic(marker, {"stage": stage, "command": ["eyas", *argv],
                                    "config": to_json(cfg), "seconds": secs, "key": key,
                                    "eyas_code": code_fingerprint()})
         rows.append({"stage": stage, "status": "ran", "seconds": round(secs, 1), "dir": str(sdir)})

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from eyas.cpu.isa import cpu_has_amx
+from eyas.cpu.isa import cpu_has_amx, cpu_has_avx512_bf16
 from eyas.errors import EyasError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,7 +26,7 @@ def fast_dtype(device: str = "cpu") -> str:
     dev = parse_device(device)
     if dev.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if cpu_has_amx() or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() else "fp32"
+    return "bf16" if cpu_has_amx() or cpu_has_avx512_bf16() else "fp32"
 
 
 def decode_dtype(device: str = "cpu") -> str:
