@@ -101,7 +101,7 @@ def test_engine_to_eyas_to_engine_keeps_every_field(fmt, eyas_ckpt, tiny_target,
     E.write_layout(cfg2, st2, fmt, tmp_path / "b", target=tiny_target)
     ca, cb = (json.loads((d / "config.json").read_text()) for d in (a, tmp_path / "b"))
     assert ca == cb
-    wa, wb = (E._read_dir(d)[1] for d in (a, tmp_path / "b"))
+    wa, wb = (E.read_dir(d)[1] for d in (a, tmp_path / "b"))
     assert sorted(wa) == sorted(wb) and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -211,11 +211,12 @@ def test_aux_id_conventions(eyas_ckpt, tiny_target, tmp_path):
     assert E.engine_reading(sg, "sglang").aux_layer_ids_hf == AUX
     # first SGLang id is 0, not 1: newer SGLang would use [0, 1, 2] as given
     assert any("newer SGLang" in n and "[0, 1, 2]" in n for n in E.engine_reading(sg, "sglang").notes)
-    # vLLM ignores eagle_config: it captures its default [2, L//2, L-3] = [2, 2, 1] on 4 layers
+    # vLLM 0.32 (gpu_model_runner._get_eagle3_aux_layers_from_config) reads eagle_config's ids as given
+    # when the top-level field is absent: SGLang's stored HF-index-minus-one ids, one layer off
     r = E.engine_reading(sg, "vllm", tiny_target)
-    assert r.aux_layer_ids_hf == [2, 2, 1]
-    assert any("[2, 2, 1]" in p for p in E.static_check(sg, "vllm", target=tiny_target))
-    assert E.engine_reading(sg, "vllm").aux_layer_ids_hf is None  # target-dependent without a target
+    off = [i - 1 for i in AUX]
+    assert r.aux_layer_ids_hf == off and r.aux_source == "eagle_config.eagle_aux_hidden_state_layer_ids"
+    assert any(str(off) in p for p in E.static_check(sg, "vllm", target=tiny_target))
 
 
 def test_default_aux_layers_agree_across_sglang_versions(tiny_target, tmp_path):
@@ -616,3 +617,22 @@ def test_vllm_drops_input_norm_but_refuses_fc_norm_without_their_flags(tiny_targ
         else:  # no module named fc_norm: vLLM's loader raises at start
             assert any(key in e for e in r.errors)
         assert any(f"{flag}=False" in p for p in E.static_check(vl, "vllm")), flag
+
+
+def test_hidden_act_other_than_silu_is_refused_everywhere(eyas_ckpt, tiny_target, tmp_path):
+    """vLLM's and SGLang's LlamaMLP build SiLU only and raise for another activation; eyas computes
+    SiLU too, so a config saying gelu is refused on import and reported as an engine refusal."""
+    out = export(eyas_ckpt, "vllm", tmp_path / "v")
+    c = json.loads((out / "config.json").read_text())
+    c["hidden_act"] = "gelu"
+    (out / "config.json").write_text(json.dumps(c))
+    with pytest.raises(EyasError, match="hidden_act='gelu'"):
+        E.import_checkpoint(out, target=tiny_target)
+    assert any("hidden_act='gelu'" in p for p in E.static_check(out, "vllm", target=tiny_target))
+    own = tmp_path / "own"
+    shutil.copytree(eyas_ckpt, own)
+    c = json.loads((own / "config.json").read_text())
+    c["hidden_act"] = "gelu"
+    (own / "config.json").write_text(json.dumps(c))
+    with pytest.raises(EyasError, match="hidden_act='gelu'"):
+        ck.read_config(own)

@@ -152,6 +152,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+ACTIVATIONS = ("silu",)  # the `hidden_act` values MLP computes (SwiGLU); checkpoints with another are refused
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()

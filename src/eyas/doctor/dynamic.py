@@ -22,6 +22,7 @@ from eyas.core.ttt import TTTAttention, shift_left, step_inputs
 from eyas.doctor.findings import INFO, WARNING, Finding, make
 from eyas.doctor.reading import EngineReading, RawCheckpoint, intended_aux_ids
 from eyas.doctor.static import _dims, cfg_get
+from eyas.formats.engines import EYAS
 
 log = logging.getLogger(__name__)
 TOPK = (1, 2, 4, 8)
@@ -372,7 +373,7 @@ def decode_acceptance(ckpt, model, tdir, layout: str, engines: list[str], prompt
     from eyas.errors import EyasError
 
     # An eyas checkpoint is served only after export: decode it as eyas runs it.
-    names = ["eyas"] if layout == "eyas" else [e for e in engines if e in runtime.ENGINES and e != "eyas"]
+    names = [EYAS] if layout == EYAS else [e for e in engines if e in runtime.ENGINES and e != EYAS]
     out = {}
     for name in names:
         try:
@@ -419,8 +420,8 @@ def run_dynamic(raw: RawCheckpoint, layout: str, views: dict[str, EngineReading]
     ref_al = ref_res.get("accept_len", 1.0)
     if fs:  # the checkpoint itself is inconsistent: the best variant is the reference to compare with
         ref_al = max(ref_al, fs[0].evidence["restored_accept_len"])
-    paths = {} if layout == "eyas" else {e: engine_path(raw, r, default_ids) for e, r in views.items()}
-    for e, r in ({} if layout == "eyas" else views).items():
+    paths = {} if layout == EYAS else {e: engine_path(raw, r, default_ids) for e, r in views.items()}
+    for e, r in ({} if layout == EYAS else views).items():
         if getattr(r, "aux_alt_hf", None) and r.use_aux:  # the other SGLang version's reading
             paths[f"{e} (2026+)"] = replace(paths[e], name=f"{e} (2026+)", aux_ids=list(r.aux_alt_hf))
     for e, p in paths.items():

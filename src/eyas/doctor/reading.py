@@ -40,13 +40,7 @@ class RawCheckpoint:
 
     def canonical(self) -> dict[str, torch.Tensor]:
         """Tensors under eyas names whichever decoder prefix the file uses (`model.` stripped)."""
-        out = {}
-        for k, v in self.tensors.items():
-            k2 = k[6:] if k.startswith("model.") else k
-            if k2.startswith("layers.0."):
-                k2 = "midlayer." + k2[len("layers.0."):]
-            out.setdefault(k2, v)
-        return out
+        return engines.to_eyas_names(self.tensors)
 
 
 def read_raw(ckpt: Path) -> RawCheckpoint:
@@ -83,18 +77,16 @@ def engine_views(raw: RawCheckpoint, engine_names: list[str]) -> tuple[dict[str,
 
 
 def intended_aux_ids(raw: RawCheckpoint, layout: str) -> tuple[list[int] | None, str]:
-    """The HF-index aux ids the checkpoint's author meant, and where that was read."""
+    """The HF-index aux ids the checkpoint's author meant, and where that was read: eyas.json's
+    record, else the layout's own engine's reading of config.json (its spec's convention)."""
     m = raw.meta
     for key in ("aux_layer_ids_hf", "aux_layer_ids"):
         if isinstance(m.get(key), list):
             return [int(i) for i in m[key]], f"eyas.json {key}"
-    c = raw.config
-    if layout == "eyas" and isinstance(c.get("aux_layer_ids"), list):
-        return [int(i) for i in c["aux_layer_ids"]], "config.json aux_layer_ids"
-    if isinstance(c.get("eagle_aux_hidden_state_layer_ids"), list):
-        return [int(i) for i in c["eagle_aux_hidden_state_layer_ids"]], "config.json eagle_aux_hidden_state_layer_ids"
-    ec = c.get("eagle_config") if isinstance(c.get("eagle_config"), dict) else {}
-    if isinstance(ec.get("eagle_aux_hidden_state_layer_ids"), list):
-        return [int(i) + 1 for i in ec["eagle_aux_hidden_state_layer_ids"]], \
-            "config.json eagle_config.eagle_aux_hidden_state_layer_ids (+1, SGLang)"
-    return None, ""
+    if layout == engines.EYAS:
+        ids = raw.config.get("aux_layer_ids")
+        return ([int(i) for i in ids], "config.json aux_layer_ids") if isinstance(ids, list) else (None, "")
+    if layout not in engines.ENGINES:
+        return None, ""
+    read = engines.spec(layout).aux.read(raw.config)
+    return (read.hf, f"config.json {read.source} ({layout}'s convention)") if read.hf else (None, "")

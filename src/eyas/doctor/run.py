@@ -9,15 +9,11 @@ from pathlib import Path
 from eyas.doctor import dynamic, static, vocab_check, with_target
 from eyas.doctor.findings import INFO, Report, make
 from eyas.doctor.reading import detect_layout, engine_views, read_raw
+from eyas.formats import engines
 from eyas.formats.engines import SERVING
 
 log = logging.getLogger(__name__)
 ALL_ENGINES = SERVING  # one list of engines, owned by eyas.formats.engines
-# Engines that serve a layout as it is. With `--engine all`, problems under the other engines
-# are warnings (the checkpoint is converted before it is served there); naming an engine
-# with `--engine` makes its problems errors.
-NATIVE = {"eyas": (), "sglang": ("sglang",), "eagle": ("sglang",), "vllm": ("vllm",),
-          "speculators": ("speculators", "vllm")}
 
 
 @dataclass
@@ -49,14 +45,16 @@ def diagnose(opt: DoctorOptions) -> Report:
                      "the layer to midlayer.* (eyas convert)"))
         return rep
     views, failed = engine_views(raw, list(opt.engines))
-    strict = set(opt.engines) if opt.explicit_engine else set(NATIVE.get(layout, ()))
+    # With `--engine all`, problems under engines that do not serve this layout as it is are warnings
+    # (it is converted before it is served there); naming an engine with `--engine` makes them errors.
+    strict = set(opt.engines) if opt.explicit_engine else set(engines.native_engines(layout))
     rep.measurements["engines"] = {e: _view_summary(r) for e, r in views.items()}
     rep.extend(static.check_finite(raw))
     rep.extend(static.check_shapes(raw, layout))
     rep.extend(static.check_vocab_maps(raw, list(opt.engines)))
     rep.extend(static.check_init(raw, layout))
     rep.extend(static.check_dtypes(raw))
-    if layout == "eyas":
+    if layout == engines.EYAS:
         rep.add(make("EYAS-LAYOUT", "eyas layout: engines read it after `eyas export --to ENGINE`; engine key and "
                      "aux-id checks apply to the export", severity=INFO))
     else:
@@ -81,9 +79,9 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
     tf = with_target.target_facts(tdir)
     rep.measurements["target"] = {"path": str(tdir), **tf}
     rep.extend(with_target.check_sizes(raw, layout, tf))
-    rep.extend(_soften(with_target.check_aux_against_target(rep, raw, layout, views if layout != "eyas" else {}, tf),
+    rep.extend(_soften(with_target.check_aux_against_target(rep, raw, layout, views if layout != engines.EYAS else {}, tf),
                        strict, layout))
-    if layout == "eyas":
+    if layout == engines.EYAS:
         rep.extend(with_target.check_arch(tf["architecture"], list(opt.engines)))
     sizes_ok = not rep.has("EYAS-VOCAB-SIZE")
     need_model = "embed_tokens.weight" in raw.canonical() or opt.prompts or opt.data

@@ -130,14 +130,14 @@ def _config_fields(raw: RawCheckpoint, layout: str, d: dict, n_aux: int, Ht) -> 
                             evidence={"field": key, "config": declared, "weights": actual},
                             cause=f"config.json {key} does not describe these weights; engines size buffers from it.",
                             fix="re-export the checkpoint (eyas export) or correct config.json"))
-    if cfg_get(c, "draft_vocab_size") is None and layout != "eyas" and d["lm_rows"] and d["t2d"] \
+    if cfg_get(c, "draft_vocab_size") is None and layout != engines.EYAS and d["lm_rows"] and d["t2d"] \
             and d["lm_rows"] != d["t2d"]:
         out.append(make("EYAS-CONFIG-MISSING", "config.json has no draft_vocab_size; engines assume vocab_size",
                         evidence={"lm_head_rows": d["lm_rows"], "vocab_size": d["t2d"]},
                         cause="without draft_vocab_size the engine builds a full-vocabulary head and fails or misreads.",
                         fix=f"add \"draft_vocab_size\": {d['lm_rows']} to config.json"))
     layers = cfg_get(c, "num_hidden_layers")
-    if layout in ("sglang", "vllm", "eagle") and layers not in (None, 1):
+    if layout in engines.ENGINES and engines.spec(layout).flat and layers not in (None, 1):
         out.append(make("EYAS-CONFIG-MISMATCH", f"num_hidden_layers={layers}; an EAGLE-3 drafter has 1",
                         severity=WARNING, evidence={"num_hidden_layers": layers},
                         cause="engines build num_hidden_layers decoder layers; extra ones stay random.",
@@ -166,7 +166,7 @@ def _vocab_size(raw: RawCheckpoint, t: dict) -> int | None:
 
 def _t2d_readers(engine_names: list[str]) -> list[str]:
     """The engines among `engine_names` that read t2d (the tables list it as dropped otherwise)."""
-    return [e for e in engine_names if e in engines.TABLES and "t2d" not in engines.TABLES[e].dropped]
+    return [e for e in engine_names if e in engines.ENGINES and engines.spec(e).reads_t2d]
 
 
 def check_vocab_maps(raw: RawCheckpoint, engine_names: list[str] | None = None) -> list[Finding]:
@@ -361,7 +361,7 @@ def check_aux(raw: RawCheckpoint, layout: str, views: dict[str, EngineReading]) 
             out.append(make("EYAS-AUX-IDS-MISSING", f"{e} finds no aux layer ids in config.json and uses the "
                             "target's default [2, L//2, L-3]", severity=sev, engine=e,
                             evidence={"intended_hf": intended, "intended_from": src},
-                            cause=f"{e} reads ids from {'eagle_config.eagle_aux_hidden_state_layer_ids' if e == 'sglang' else 'top-level eagle_aux_hidden_state_layer_ids'}"
+                            cause=f"{e} reads ids from {', else '.join(f.path for f in engines.spec(e).aux.fields)}"
                             + ("; the trained ids are only honoured if they equal the default." if intended else "."),
                             fix=f"{fix} (writes the ids in {e}'s convention)"))
             continue

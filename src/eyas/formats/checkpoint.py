@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from eyas.core import vocab as core_vocab
-from eyas.core.drafter import DrafterConfig, Eagle3Drafter
+from eyas.core.drafter import ACTIVATIONS, DrafterConfig, Eagle3Drafter
 from eyas.errors import EyasError
 
 FORMAT = "eyas.drafter"
@@ -203,9 +203,13 @@ def read_config(ckpt: Path) -> DrafterConfig:
                         "upgrade eyas or re-export")
     body = {k: v for k, v in cfg.items() if k not in ("format", "version")}
     try:
-        return DrafterConfig.from_dict(body)
+        cfg = DrafterConfig.from_dict(body)
     except (TypeError, ValueError) as e:
         raise EyasError(f"{ckpt}/config.json: {e}; re-export the checkpoint") from e
+    if cfg.hidden_act not in ACTIVATIONS:
+        raise EyasError(f"{ckpt}/config.json: hidden_act={cfg.hidden_act!r}, but the drafter layer computes "
+                        f"{'/'.join(ACTIVATIONS)} only; set it back to \"silu\" (the weights were trained with it)")
+    return cfg
 
 
 def load_checkpoint(ckpt: Path, target_embedding: torch.Tensor | None = None) -> tuple[Eagle3Drafter, dict]:

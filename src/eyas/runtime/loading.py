@@ -12,7 +12,7 @@ import torch
 from eyas import targets
 from eyas.core.drafter import Eagle3Drafter
 from eyas.errors import EyasError
-from eyas.formats.engines import RUNTIME_ENGINES
+from eyas.formats.engines import EYAS, RUNTIME_ENGINES
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def load_drafter(ckpt: Path, target_model, engine: str = "eyas", dtype: torch.dt
     if not Path(ckpt).is_dir():
         raise EyasError(f"drafter {ckpt} is not a checkpoint directory; pass the directory that holds "
                         "config.json and model.safetensors (e.g. RUN/final)")
-    if engine == "eyas":
+    if engine == EYAS:
         d, _ = load_checkpoint(Path(ckpt))
         _check_compat(d, target_model, ckpt)  # before the embedding: a wrong target names itself
         d.load_target_embedding(emb.float())

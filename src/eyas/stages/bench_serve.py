@@ -111,7 +111,7 @@ def drafter_sides(path: Path, tmp: Path, final: Path, target: Path, args) -> dic
         return {"eyas": (ckpt, "eyas"), "served": tmp / DRAFTER_DIR, "deployed": final / DRAFTER_DIR,
                 "exported": True, "source": str(ckpt)}
     layout = engines.detect_layout(path)
-    if layout not in ("vllm", "speculators"):
+    if "vllm" not in engines.native_engines(layout):
         raise EyasError(f"--drafter {path}: layout {layout}; --serve vllm takes an eyas checkpoint or run, or a "
                         f"vllm / speculators export (eyas convert {path} --to vllm --out DIR)")
     # eyas's runtime reads a foreign layout the way vLLM would load it (its emulation, --engine vllm)
