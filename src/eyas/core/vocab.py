@@ -221,3 +221,42 @@ def remap_rows(old_weight: torch.Tensor, old_ids: torch.Tensor, new_ids: torch.T
         out = torch.zeros(new.numel(), old_weight.shape[1], dtype=old_weight.dtype)
     out[carried] = old_weight[pos[carried]]
     return out, int(carried.sum())
+
+
+def head_match(head: torch.Tensor, target_head: torch.Tensor, readings: dict[str, torch.Tensor],
+               rows: int = 512, seed: int = 0) -> dict:
+    """Which draft->target map a drafter's lm_head was trained with, from the head itself.
+
+    eyas starts the head from the target's rows of the draft ids (`head[i] = T[ids[i]]`, as
+    speculators does) and peers that freeze it keep exact copies, so the nearest target row of
+    head row i (by cosine) is `T[ids[i]]` for the map the head was trained with, and almost never
+    for another (chance: about 1/V). On `rows` seeded sample rows:
+
+        nearest[i] = argmax_j cos(head[i], T[j])          # (S,)
+        agree[m]   = mean_i [nearest[i] == ids_m[i]]      # share of rows map m explains
+        cos[m]     = mean_i cos(head[i], T[ids_m[i]])
+
+    `readings`: name -> (N,) target ids per draft id (entries outside [0, V) count as misses).
+    Returns {"rows", "agree": {m: float}, "cos": {m: float}, "nearest_cos": mean best cosine,
+    "sample": the sampled draft ids, "nearest": their nearest target ids}.
+    """
+    n, V = head.shape[0], target_head.shape[0]
+    if head.shape[1] != target_head.shape[1]:  # another width: the head cannot come from these rows
+        return {"rows": 0, "agree": {m: 0.0 for m in readings}, "cos": {m: 0.0 for m in readings},
+                "nearest_cos": 0.0, "sample": [], "nearest": []}
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(n, generator=g)[:rows].sort().values
+    h = torch.nn.functional.normalize(head[pick].float(), dim=1)  # (S, H)
+    t = torch.nn.functional.normalize(target_head.float(), dim=1)  # (V, H)
+    sims = h @ t.T  # (S, V)
+    best, nearest = sims.max(dim=1)
+    agree, cos = {}, {}
+    for m, ids in readings.items():
+        sel = ids.long().flatten()[pick]
+        ok = (sel >= 0) & (sel < V)
+        got = torch.zeros_like(best)
+        got[ok] = sims[ok.nonzero().flatten(), sel[ok]]
+        agree[m] = float(((nearest == sel) & ok).float().mean())
+        cos[m] = float(got.mean())
+    return {"rows": int(pick.numel()), "agree": agree, "cos": cos, "nearest_cos": float(best.mean()),
+            "sample": pick.tolist(), "nearest": nearest.tolist()}

@@ -29,6 +29,12 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "EYAS-D2T-UNSORTED": (INFO, "d2t lists its target ids out of ascending order (served as is; eyas sorts it)"),
     "EYAS-D2T-ZERO": (WARNING, "d2t is all zeros: the draft vocabulary is the first N target ids"),
     "EYAS-T2D-MISMATCH": (ERROR, "t2d is inconsistent with d2t"),
+    "EYAS-D2T-WRONG-IDS": (ERROR, "d2t maps draft ids to other target ids than the head was trained for"),
+    "EYAS-HEAD-VOCAB-MISMATCH": (ERROR, "the lm_head and the vocabulary maps come from different vocabularies"),
+    "EYAS-VOCAB-CHANGED": (ERROR, "the vocabulary maps are not the ones recorded at training"),
+    "EYAS-HEAD-MATCH": (INFO, "which vocabulary map the lm_head was trained with"),
+    "EYAS-POSITIONS-SHORT": (ERROR, "the drafter's positions are shorter than the context it is served at"),
+    "EYAS-INCONCLUSIVE": (INFO, "a measured difference is within noise for the positions counted"),
     "EYAS-NONFINITE": (ERROR, "NaN or Inf in weights"),
     "EYAS-LMHEAD-UNTRAINED": (ERROR, "lm_head looks like it is still at initialisation"),
     "EYAS-WEIGHTS-UNTRAINED": (WARNING, "decoder weights look like they are still at initialisation"),
@@ -64,6 +70,8 @@ class Finding:
     cause: str = ""  # one sentence
     fix: str = ""  # a command where one exists
     engine: str | None = None  # None: applies to every engine
+    # the fix as `eyas` argv when it is one command writing a repaired checkpoint to the placeholder "OUT"
+    command: list[str] | None = None
 
     def __post_init__(self) -> None:
         assert self.id in REGISTRY, f"unregistered finding id {self.id}"
@@ -114,16 +122,19 @@ class Report:
                 "measurements": self.measurements}
 
     def human(self) -> str:
-        """Readable at a glance: one line per finding, errors first, then evidence/cause/fix."""
+        """Readable at a glance: one line per finding, errors first; under errors and warnings a
+        short evidence line, the cause and the fix. Infos are one line; `--json` has everything."""
         order = {ERROR: 0, WARNING: 1, INFO: 2}
         lines = [f"eyas doctor: {self.checkpoint} (layout: {self.layout or '?'})"]
         for f in sorted(self.findings, key=lambda f: order[f.severity]):
             where = f" [{f.engine}]" if f.engine else ""
             lines.append(f"{f.severity.upper():7s} {f.id}{where}: {f.message}")
-            if f.evidence and f.severity != INFO:
-                ev = ", ".join(f"{k}={_short(v)}" for k, v in f.evidence.items())
+            if f.severity == INFO:
+                continue
+            ev = evidence_line(f.evidence)
+            if ev:
                 lines.append(f"        evidence: {ev}")
-            if f.cause and f.severity != INFO:
+            if f.cause:
                 lines.append(f"        cause: {f.cause}")
             if f.fix:
                 lines.append(f"        fix: {f.fix}")
@@ -132,9 +143,16 @@ class Report:
         return "\n".join(lines)
 
 
-def _short(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    if isinstance(v, (list, tuple)) and len(v) > 8:
-        return "[" + ", ".join(map(str, v[:8])) + f", ... ({len(v)})]"
-    return str(v)
+def evidence_line(ev: dict, width: int = 110) -> str:
+    """The scalar and short-list entries of an evidence record, cut to `width` characters
+    (nested records and long lists stay in --json)."""
+    parts = []
+    for k, v in ev.items():
+        if isinstance(v, float):
+            parts.append(f"{k}={v:.3g}")
+        elif isinstance(v, (int, str, bool)) and len(str(v)) <= 40:
+            parts.append(f"{k}={v}")
+        elif isinstance(v, (list, tuple)) and len(v) <= 6 and all(isinstance(x, (int, float, str)) for x in v):
+            parts.append(f"{k}={list(v)}")
+    line = ", ".join(parts)
+    return line if len(line) <= width else line[:width - 3].rsplit(", ", 1)[0] + ", ..."

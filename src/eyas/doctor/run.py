@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.doctor import dynamic, static, vocab_check, with_target
+from eyas.doctor import dynamic, head_check, static, vocab_check, with_target
 from eyas.doctor.findings import INFO, Report, make
 from eyas.doctor.reading import detect_layout, engine_views, read_raw
 from eyas.formats import engines
@@ -52,6 +52,7 @@ def diagnose(opt: DoctorOptions) -> Report:
     rep.extend(static.check_finite(raw))
     rep.extend(static.check_shapes(raw, layout))
     rep.extend(static.check_vocab_maps(raw, list(opt.engines)))
+    rep.findings = head_check.reconcile(rep.findings, head_check.check_recorded(raw), raw.path)
     rep.extend(static.check_init(raw, layout))
     rep.extend(static.check_dtypes(raw))
     if layout == engines.EYAS:
@@ -79,6 +80,12 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
     tf = with_target.target_facts(tdir)
     rep.measurements["target"] = {"path": str(tdir), **tf}
     rep.extend(with_target.check_sizes(raw, layout, tf))
+    if not rep.has("EYAS-VOCAB-SIZE"):
+        from eyas.formats.target_weights import target_head
+
+        files = [opt.against] if opt.against and Path(opt.against).is_file() else []
+        rep.findings = head_check.reconcile(rep.findings, head_check.check_head(raw, target_head(tdir), files),
+                                            raw.path)
     rep.extend(_soften(with_target.check_aux_against_target(rep, raw, layout, views if layout != engines.EYAS else {}, tf),
                        strict, layout))
     if layout == engines.EYAS:

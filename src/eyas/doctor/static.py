@@ -233,14 +233,13 @@ def _t2d_mismatch(t2d: torch.Tensor, tgt: torch.Tensor, engine_names: list[str] 
     # vLLM's Eagle3LlamaForCausalLM.load_weights and SGLang's LlamaForCausalLMEagle3.load_weights
     # both `continue` past "t2d": for them the map is d2t alone and a stale t2d changes nothing.
     sev = ERROR if readers else WARNING
-    return make("EYAS-T2D-MISMATCH", f"t2d marks {held.numel()} ids; d2t maps {tgt.numel()}; {agree} agree"
-                + ("" if readers else " (the engines checked never read t2d)"), severity=sev,
-                evidence={"t2d_count": int(held.numel()), "d2t_count": int(tgt.numel()), "agree": agree,
-                          "engines_reading_t2d": readers},
+    return make("EYAS-T2D-MISMATCH", f"t2d marks {held.numel()} ids; d2t maps {tgt.numel()}; {agree} agree: either t2d "
+                "is stale (served as is: the engines read d2t alone) or d2t is broken (served at chance)",
+                severity=sev, evidence={"t2d_count": int(held.numel()), "d2t_count": int(tgt.numel()),
+                                        "agree": agree, "engines_reading_t2d": readers},
                 cause="t2d must be true exactly at arange(N) + d2t; one of the two was rebuilt alone"
-                + (f" ({', '.join(readers)} reads t2d)." if readers else "; served by d2t alone, but a "
-                   "trainer that resumes from it (speculators) restricts its targets by t2d."),
-                fix="rebuild t2d from d2t (eyas vocab remap / re-export)")
+                + (f" ({', '.join(readers)} reads t2d)." if readers else "."),
+                fix="pass --target: the head's rows tell which map it was trained with (then eyas vocab repair)")
 
 
 # ---------------------------------------------------------------- values

@@ -147,6 +147,22 @@ def read_checkpoint_vocab(ckpt: Path, need_head: bool = True) -> dict[str, torch
     return got
 
 
+def read_maps_as_stored(ckpt: Path) -> tuple[dict[str, torch.Tensor], int | None]:
+    """(whichever of `d2t`, `t2d`, `lm_head.weight` a drafter directory stores, unchecked; the target
+    vocabulary size its config.json names): what `eyas vocab repair` starts from."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise EyasError(f"checkpoint {ckpt} is not a directory; pass a drafter checkpoint directory")
+    got, _ = ckpt_io.read_weights(ckpt, keys=VOCAB_KEYS)
+    try:
+        cfg = json.loads((ckpt / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    inner = cfg.get("transformer_layer_config") if isinstance(cfg.get("transformer_layer_config"), dict) else {}
+    V = cfg.get("vocab_size") or inner.get("vocab_size")
+    return got, int(V) if isinstance(V, int) else None
+
+
 def _full_vocabulary(ckpt: Path) -> int | None:
     """The target vocabulary size when config.json says the drafter drafts over all of it."""
     try:

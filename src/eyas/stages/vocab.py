@@ -1,5 +1,6 @@
-"""`eyas vocab build | compare | remap`: the draft vocabulary (DESIGN 4), an overlap report
-between two vocabularies or drafters, and carrying a drafter's lm_head to a new vocabulary."""
+"""`eyas vocab build | compare | remap | repair`: the draft vocabulary (DESIGN 4), an overlap report
+between two vocabularies or drafters, carrying a drafter's lm_head to a new vocabulary, and
+replacing a drafter's maps by the ones its head was trained with (its rows unmoved)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ class RemapConfig:
     json: bool = arg("print a machine-readable JSON summary", False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RepairConfig:
+    drafter: Path = arg("drafter checkpoint directory (any layout)")
+    maps_from: str = arg("the maps the head was trained with: t2d (d2t rebuilt from the checkpoint's t2d), d2t "
+                         "(t2d rebuilt from d2t), d2t-absolute (d2t holds target ids, not offsets), or a vocab "
+                         "file or drafter directory")
+    out: Path = arg("output checkpoint directory")
+    force: bool = arg("replace a non-empty --out", False)
+    json: bool = arg("print a machine-readable JSON summary", False)
+
+
 def register(sub) -> None:
     p = sub.add_parser("vocab", help="build, compare or remap a draft vocabulary",
                        description="Draft vocabulary = the N most frequent target ids over supervised tokens.")
@@ -65,6 +77,11 @@ def register(sub) -> None:
             "from the target's lm_head rows when the drafter's hidden size equals the target's, else zero. d2t/t2d "
             "and config draft_vocab_size are replaced. A drafter without lm_head (speculators, scoring with the "
             "verifier's) gets the target's rows for the new vocabulary, which is what it scored with.")
+    command(vsub, "repair", RepairConfig, run_repair, help="replace a drafter's d2t/t2d by the maps its head was "
+            "trained with, rows unmoved", description="The fix `eyas doctor` prints when a drafter's maps are not "
+            "the ones its lm_head was trained with: d2t broken beside a right t2d (--maps-from t2d), a stale t2d "
+            "(--maps-from d2t), absolute ids in d2t (--maps-from d2t-absolute), or maps of another vocabulary "
+            "(--maps-from VOCAB, the training vocabulary). Only d2t, t2d and draft_vocab_size change.")
 
 
 # ---------------------------------------------------------------- build
@@ -230,4 +247,65 @@ def run_remap(args: RemapConfig) -> int:
         msg = (f"carried {s['carried']} of {s['rows']} lm_head rows by target id; {s['new_rows']} new rows "
                f"from {s['new_rows_from']} -> {s['out']}")
     emit(args, s, msg)
+    return 0
+
+
+# ---------------------------------------------------------------- repair
+
+
+def _repair_ids(stored: dict, V: int, source: str, where: Path) -> torch.Tensor:
+    """Target ids per draft id as `source` gives them (see RepairConfig.maps_from)."""
+    n = int(stored["lm_head.weight"].shape[0]) if "lm_head.weight" in stored else int(stored["d2t"].numel())
+    if source == "t2d":
+        if "t2d" not in stored:
+            raise EyasError(f"--maps-from t2d: {where} stores no t2d; pass the training vocabulary file instead")
+        ids = torch.nonzero(stored["t2d"].bool()).flatten()
+    elif source in ("d2t", "d2t-absolute"):
+        if "d2t" not in stored:
+            raise EyasError(f"--maps-from {source}: {where} stores no d2t; pass --maps-from t2d or a vocab file")
+        ids = stored["d2t"].long() if source == "d2t-absolute" else core.target_ids(stored["d2t"].long())
+    else:
+        vm = fvocab.load_any(Path(source))
+        if vm.target_size != V:
+            raise EyasError(f"--maps-from {source}: a vocabulary over {vm.target_size} target ids, the drafter "
+                            f"{where} maps into {V}; pass the vocabulary of the drafter's own target")
+        ids = vm.target_ids
+    if ids.numel() != n:
+        raise EyasError(f"--maps-from {source}: {ids.numel()} draft ids, but the drafter {where} has {n} lm_head rows; "
+                        "pass the maps of the vocabulary the head was trained with (same size)")
+    if int(ids.min()) < 0 or int(ids.max()) >= V or torch.unique(ids).numel() != n:
+        raise EyasError(f"--maps-from {source}: the ids are out of range or repeated; they cannot be the head's map")
+    return ids
+
+
+def repair(drafter: Path, source: str, out: Path, force: bool = False) -> dict:
+    """Write `out`: `drafter` with d2t and t2d rebuilt from `source`, every other tensor as it was."""
+    if out.exists() and any(out.iterdir()) and not force:
+        raise EyasError(f"--out {out} exists and is not empty; pass --force or choose another path")
+    refuse_out_over_inputs(out, {"--drafter": drafter, **({"--maps-from": Path(source)}
+                                                          if source not in ("t2d", "d2t", "d2t-absolute") else {})})
+    drafter, _ = ckpt_io.resolve_drafter(drafter)
+    stored, V = fvocab.read_maps_as_stored(drafter)
+    V = V or (int(stored["t2d"].numel()) if "t2d" in stored else None)
+    if V is None:
+        raise EyasError(f"{drafter}: neither config.json vocab_size nor a t2d says the target vocabulary size")
+    ids = _repair_ids(stored, V, source, drafter)
+    d2t = ids - torch.arange(ids.numel())  # offsets, in the head's row order (rows are not moved)
+    t2d = core.t2d_from_ids(ids, V)
+    before = core.target_ids(stored["d2t"].long()) if "d2t" in stored else torch.arange(ids.numel())
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    vm = fvocab.VocabMap(d2t, t2d, {"source": f"eyas vocab repair --maps-from {source}"})
+    fvocab.write_remapped_checkpoint(drafter, tmp, {"d2t": d2t, "t2d": t2d}, vm)
+    ckpt_io.share(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return {"out": str(out), "maps_from": source, "rows": int(ids.numel()),
+            "d2t_ids_changed": int((before != ids).sum()) if before.numel() == ids.numel() else int(ids.numel())}
+
+
+def run_repair(args: RepairConfig) -> int:
+    s = repair(args.drafter, args.maps_from, args.out, args.force)
+    emit(args, s, f"d2t/t2d rebuilt from {s['maps_from']}: {s['d2t_ids_changed']} of {s['rows']} draft ids now "
+                  f"map to another target id; lm_head rows unmoved -> {s['out']}")
     return 0

@@ -21,8 +21,8 @@ from eyas.formats.engines.reading import (EngineReading, detect_layout, engine_r
                                           read_dir, to_eyas_names)
 from eyas.formats.engines.spec import (ENGINES, EYAS, FAMILY, LAYER_KEYS, LAYOUTS, RUNTIME_ENGINES, SERVING, SPECS,
                                        EngineSpec, native_engines, spec)
-from eyas.formats.engines.writing import (EMBED_NAMES, engine_config, export_checkpoint, needs_embedding,
-                                          target_embedding, write_layout)
+from eyas.formats.engines.writing import engine_config, export_checkpoint, needs_embedding, write_layout
+from eyas.formats.target_weights import EMBED_NAMES, target_embedding
 
 __all__ = ["SHARED_FIELDS", "SIZE_FIELDS", "config_differences", "max_aux_id", "reading_summary", "static_check",
            "FLAGS", "SPECULATORS_VERSION", "import_checkpoint", "native_config", "EngineReading", "detect_layout",

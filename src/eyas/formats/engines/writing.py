@@ -14,13 +14,7 @@ from eyas.errors import EyasError
 from eyas.formats import checkpoint as ckpt_io
 from eyas.formats.engines.importing import import_checkpoint
 from eyas.formats.engines.spec import EYAS, LAYOUTS, EngineSpec, set_path, spec
-
-# The input embedding's name across Hugging Face families: Llama-style, GPT-NeoX, Falcon/BLOOM,
-# GPT-2/MPT, InternLM. Checked in this order; the shortest key wins within one name, so a
-# DeepSeek checkpoint's `model.embed_tokens.weight` beats its MTP layer's copy.
-EMBED_NAMES = ("embed_tokens.weight", "embed_in.weight", "word_embeddings.weight", "wte.weight",
-               "tok_embeddings.weight")
-
+from eyas.formats.target_weights import target_embedding
 
 def engine_config(cfg: DrafterConfig, fmt: str, dtype: torch.dtype = torch.float32,
                   verifier: str | None = None, verifier_arch: list[str] | None = None) -> dict:
@@ -38,25 +32,6 @@ def _merge(into: dict, more: dict) -> None:
             _merge(into[k], v)
         else:
             into[k] = v
-
-
-def target_embedding(target: Path) -> tuple[torch.Tensor, Path]:
-    """The input embedding of the target directory `target`, read from its safetensors without
-    loading the model."""
-    from safetensors import safe_open
-
-    tdir = Path(target)
-    where = {}
-    for f in sorted(tdir.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            where.update((k, f) for k in h.keys() if "draft" not in k)
-    for name in EMBED_NAMES:
-        found = sorted((k for k in where if k.split(".")[-2:] == name.split(".")), key=len)
-        if found:
-            with safe_open(str(where[found[0]]), framework="pt") as h:
-                return h.get_tensor(found[0]), tdir
-    raise EyasError(f"--target {target}: its safetensors files hold no input embedding under a known name "
-                    f"({', '.join('*' + n for n in EMBED_NAMES)}); pass the target the drafter was trained for")
 
 
 def needs_embedding(cfg: DrafterConfig, fmt: str) -> bool:
