@@ -62,13 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     hostmem.retain_freed_memory()  # freed tensor buffers reused, not faulted in afresh (eyas.cpu.hostmem)
-    try:
-        if getattr(args, "dtype", None) == "auto":  # the machine's fast dtype, or the subcommand's own rule
-            from eyas import targets
-
-            resolve = getattr(args, "auto_dtype", None) or targets.fast_dtype
-            args.dtype = resolve(getattr(args, "device", None) or "cpu")
-            logging.getLogger("eyas").info("--dtype auto: %s on this machine", args.dtype)
+    try:  # each stage resolves its own config (`--dtype auto` included: stages.common.resolve_dtype)
         return int(args.func(args) or 0)
     except EyasError as e:
         msg = " ".join(str(e).split())

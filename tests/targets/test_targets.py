@@ -65,34 +65,23 @@ def test_builtin_target_fetch_and_info(eyas_cli, builtin_target):
     assert d["default_aux_layers"] == [2, 15, 27] and d["chat_template"]
 
 
-def test_dtype_auto_is_bf16_only_where_bf16_is_native(monkeypatch, tmp_path):
-    """`--dtype auto`: bf16 with AMX or AVX512-BF16, fp32 on a plain AVX2 CPU; the CLI resolves
-    it before any stage sees it, so run records hold the concrete dtype."""
-    from eyas import cli
+def test_dtype_auto_is_bf16_only_where_bf16_is_native(monkeypatch):
+    """`--dtype auto`: bf16 with AMX or AVX512-BF16, fp32 on a plain AVX2 CPU; each stage resolves its
+    own config with its rule (tests/stages/test_auto_dtype.py runs the stages), so run records hold
+    the concrete dtype."""
+    from eyas.stages.bench import BenchConfig
+    from eyas.stages.capture import CaptureConfig
+    from eyas.stages.common import resolve_dtype
 
     for amx, avx512_bf16, want in ((False, False, "fp32"), (True, False, "bf16"), (False, True, "bf16")):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v)
         assert targets.fast_dtype("cpu") == want
         assert targets.decode_dtype("cpu") == ("bf16" if amx else "fp32")  # bf16 decoding only with AMX
-    seen = {}
-    monkeypatch.setattr(cli, "build_parser", lambda real=cli.build_parser: _spy(real(), seen))
-    assert cli.main(["capture", "--target", "x", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 0
-    assert seen["dtype"] == "bf16"  # the last capability set above: AVX512-BF16
-    assert cli.main(["bench", "--target", "x", "--out", str(tmp_path / "b")]) == 0
-    assert seen["dtype"] == "fp32"  # the bench decodes: fp32 without AMX
-
-
-def _spy(parser, seen):
-    """The real parser, with the capture stage's function replaced by one that records args."""
-    real_parse = parser.parse_known_args
-
-    def parse_known_args(argv=None):
-        args, extra = real_parse(argv)
-        args.func = lambda a: seen.update(dtype=a.dtype) or 0
-        return args, extra
-    parser.parse_known_args = parse_known_args
-    return parser
+    # the last capability set above: AVX512-BF16 without AMX
+    assert resolve_dtype(CaptureConfig(dtype="auto"), targets.fast_dtype).dtype == "bf16"
+    assert resolve_dtype(BenchConfig(dtype="auto"), targets.decode_dtype).dtype == "fp32"  # decoding: no AMX
+    assert resolve_dtype(BenchConfig(dtype="bf16"), targets.decode_dtype).dtype == "bf16"  # a given dtype stays
 
 
 def test_fingerprint_ignores_the_writer_but_not_the_model(tiny_target, tmp_path, eyas_cli):

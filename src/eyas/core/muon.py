@@ -17,7 +17,7 @@ every singular value in [0.01, 1] into [0.75, 1.31] (the reference maps [0.01, 1
 [0.68, 1.13] in five). Three matrix-product steps instead of five (timed in docs/cpu-performance.md).
 
 Why eyas has its own and not `torch.optim.Muon`: that one runs the iteration in bf16, which
-on a CPU without native bf16 costs about five times the fp32 iteration; here the iteration's
+on a CPU without native bf16 is far slower than fp32's (docs/cpu-performance.md); here the iteration's
 dtype is the caller's (`eyas.stages.trainer` passes the training's compute dtype), and with the
 reference iteration in bf16 the update equals `torch.optim.Muon`'s (tests/core/test_muon.py). The
 AdamW half is torch's AdamW update written out (equal to `torch.optim.AdamW` in tests), so one

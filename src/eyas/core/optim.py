@@ -37,10 +37,10 @@ def make_optimizer(drafter: Eagle3Drafter, optimizer: str = "muon", lr: float = 
     trainable = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     if optimizer == "adamw":
         return torch.optim.AdamW([p for _, p in trainable], lr=lr, betas=(0.9, 0.95),
-                                 weight_decay=weight_decay, fused=fused)  # fused: ~3x faster step on CPU
+                                 weight_decay=weight_decay, fused=fused)  # fused: faster (docs/cpu-performance.md)
     hidden = [p for n, p in trainable if p.ndim == 2 and not n.startswith("lm_head")]
     ids = {id(p) for p in hidden}
     # the Newton-Schulz iteration in the training's compute dtype: bf16 (as torch.optim.Muon) where bf16 is
-    # native, fp32 where it is not: there a bf16 iteration costs about 5x (docs/cpu-performance.md)
+    # native, fp32 where it is not: there a bf16 iteration is far slower (docs/cpu-performance.md)
     return MuonAdamW(hidden, [p for _, p in trainable if id(p) not in ids], lr=lr, weight_decay=weight_decay,
                      ns_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)

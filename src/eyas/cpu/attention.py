@@ -89,7 +89,7 @@ def gqa_attention(module, query, key, value, attention_mask, scaling: float, dro
     keys and values are views of a preallocated buffer (strided over the batch). In bf16 / fp16
     on a CPU with AMX, SDPA's grouped-query kernel reads them as they are (`LOW_PRECISION_SDPA`).
     Otherwise the grouped query heads share their KV head through a broadcast matmul (in fp32
-    0.8-1.0x SDPA's time), softmax in fp32 as eager attention does."""
+    no slower than SDPA: docs/cpu-performance.md), softmax in fp32 as eager attention does."""
     if kwargs.get("s_aux") is not None or kwargs.get("softcap") is not None:  # `plain_attention` keeps them out
         raise NotImplementedError("gqa_attention has no attention sinks or logit soft-capping")
     S = key.shape[2]

@@ -3,7 +3,7 @@
 
 Why: decoding multiplies a few rows (1 token, or the 2-32 of a verification step) by every
 weight matrix. With the plain row-major weight, PyTorch's CPU GEMM for more than one row
-repacks the weight on every call, so in fp32 a forward of a few tokens cost about twice a
+repacks the weight on every call, so in fp32 a forward of a few tokens cost far more than a
 1-token forward and verifying drafts was never cheap. With the weights reordered once into
 oneDNN's blocked layout that overhead is mostly gone (`bench/bench_prepack.py`; figures in
 docs/cpu-performance.md). Inductor's CPU "freezing" and IPEX do the same.
@@ -27,7 +27,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-PACK_ROWS = 16  # the row count oneDNN tunes the layout for; measured best for 1..24 rows
+PACK_ROWS = 16  # the row count oneDNN tunes the layout for; best for 1..24 rows (docs/cpu-performance.md)
 
 
 def supported(dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from eyas.formats.prompts import Conversation
+from eyas.formats.prompt_records import Conversation
 
 SOURCE = "builtin"
 PUBLIC = Path(__file__).parent.parent / "data" / "public_prompts.jsonl.gz"
@@ -54,7 +54,8 @@ MATH_ITEMS = ("apples", "books", "stickers", "marbles", "pencils", "cookies", "s
 MATH_TEMPLATES = (
     "{name} has {a} {item}. {name} buys {b} more and then gives away {c}. How many {item} does {name} have now?",
     "A box holds {a} {item}. How many {item} are there in {b} boxes?",
-    "{name} shares {p} {item} equally among {b} friends. How many {item} does each friend get, and how many are left over?",
+    "{name} shares {p} {item} equally among {b} friends. How many {item} does each friend get, and how many are "
+    "left over?",
     "{name} reads {a} pages a day. How many days does it take to read a book of {p} pages?",
     "A shirt costs ${a}. It is on sale for {c}% off. What is the sale price?",
     "A train travels {p} km in {b} hours. What is its average speed?",
@@ -105,7 +106,8 @@ QA_TEMPLATES = (
     "What is one important event in the history of {x}?",
 )
 QA_GENERAL = (
-    "Who wrote Pride and Prejudice?", "How far is the Moon from the Earth?", "What is the boiling point of water at sea level?",
+    "Who wrote Pride and Prejudice?", "How far is the Moon from the Earth?",
+    "What is the boiling point of water at sea level?",
     "How many bones are in the adult human body?", "What is the largest planet in the solar system?",
     "Who painted the Mona Lisa?", "What is the speed of light?", "Why is the sky blue?",
     "What is the tallest mountain on Earth?", "How do bees make honey?",

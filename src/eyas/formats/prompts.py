@@ -1,36 +1,17 @@
-"""Raw prompt files -> `Conversation`s: format and schema auto-detection, lenient JSONL,
+"""Raw prompt files -> `Conversation`s: file formats, lenient JSONL, per-file statistics,
 de-duplication. Used by `eyas data prepare` and `eyas bench --prompts`.
 
 Files: a JSON array (`.json`), JSON Lines (`.jsonl`), or plain text (`.txt`, split into
 chunks at blank lines), each optionally gzip-compressed (`.gz`); or tables, whose rows are read
 as JSON records: Parquet (`.parquet`, how datasets on the Hugging Face hub are stored), Arrow
 (`.arrow`), or a directory written by `datasets`' `save_to_disk` (needs pyarrow, which
-`datasets` installs). A JSON file whose text
-does not start with `[` is read as JSON Lines. Malformed JSONL lines are repaired when
-the damage is benign (raw control characters, invalid `\\` escapes, one record split over
-two lines), otherwise counted and skipped; a file with no usable record is an error.
+`datasets` installs). A JSON file whose text does not start with `[` is read as JSON Lines.
+Malformed JSONL lines are repaired when the damage is benign (raw control characters, invalid
+`\\` escapes, one record split over two lines), otherwise counted and skipped; a file with no
+usable record is an error.
 
-Schema per record (first match wins; the turns list holds `user`, `assistant` and
-`system` turns; "answer" means an assistant turn is taken from the file):
-
-| schema     | detected by                       | user turn(s)                                    | answer                          |
-|------------|-----------------------------------|-------------------------------------------------|---------------------------------|
-| string     | a bare JSON string / `.txt` chunk | the string                                      | none                            |
-| openai     | `messages: [{role, content}]`     | `user` messages (`system` kept)                 | `assistant` messages            |
-| sharegpt   | `conversations: [{from, value}]`  | from `human`/`user` (`system` kept)             | from `gpt`/`assistant`/`chatgpt`|
-| mtbench    | `turns: [str, ...]`               | each turn, in order                             | `reference` if one per turn     |
-| alpaca     | `instruction` (+ `input`)         | instruction + blank line + input (if non-empty) | `output` or `response`          |
-| selfinst   | `instruction` + `instances`       | instruction + blank line + `instances[0].input` | `instances[0].output`           |
-| gsm8k      | `question`                        | question                                        | `answer`                        |
-| svamp      | `Body` + `Question`               | Body + " " + Question                           | none (`Answer` is a bare number)|
-| mbpp       | `text` (+ `test_list`)            | text + "Your code should pass these tests:" ... | `code`                          |
-| prompt     | `prompt` (HumanEval, arena-hard)  | prompt                                          | `completion` or `response`      |
-
-A leading assistant turn (nothing to answer) is dropped; a record with no user text is
-skipped and counted. Category per record: the record's own `subcategory`/`category`
-when it names a known one (MT-bench, arena-hard v2, EAGLE sets), else one inferred from
-the file name (math: gsm/svamp/math; code: code/mbpp/humaneval; summarization:
-sum/tldr/cnn/xsum; qa: qa), else `chat`.
+Each record becomes a `Conversation` through `eyas.formats.prompt_records` (the schema table,
+turn cleaning, categories).
 
 De-duplication (across and within files) keys on the user turns, lowercased with
 everything but letters and digits removed; the first occurrence is kept.
@@ -47,44 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.formats.prompt_records import (SCHEMA_CATEGORIES, SCHEMAS, Conversation, clean_turns, file_category,
+                                         parse_record, record_category)
 
 log = logging.getLogger(__name__)
 
-SCHEMAS = ("string", "openai", "sharegpt", "mtbench", "alpaca", "selfinst", "gsm8k", "svamp", "mbpp", "prompt")
-CATEGORIES = ("code", "math", "chat", "summarization", "qa", "writing", "roleplay", "reasoning",
-              "extraction", "stem", "humanities", "explanation")
-# Record-level category names as the sources spell them -> eyas categories.
-CATEGORY_ALIASES = {"coding": "code", "creative_writing": "writing", "summarize": "summarization"}
-# Schemas that say what a record is, whatever its file is called.
-SCHEMA_CATEGORIES = {"gsm8k": "math", "svamp": "math", "mbpp": "code"}
-# File-name keywords -> default category (checked in order).
-FILE_CATEGORIES = (
-    (("gsm", "grade-school-math", "svamp", "math"), "math"),
-    (("code", "mbpp", "humaneval"), "code"),
-    (("sum", "tldr", "cnn", "xsum"), "summarization"),
-    (("qa",), "qa"),
-)
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 TXT_CHUNK_CHARS = 2000
-
-
-@dataclass
-class Conversation:
-    """One prompt record: `turns` are {role, content} dicts (system/user/assistant)."""
-
-    id: str
-    source: str
-    category: str
-    turns: list[dict]
-
-    @property
-    def has_answer(self) -> bool:
-        return any(t["role"] == "assistant" and t["content"].strip() for t in self.turns)
-
-    @property
-    def user_turns(self) -> list[str]:
-        return [t["content"] for t in self.turns if t["role"] == "user"]
 
 
 @dataclass
@@ -116,7 +65,7 @@ class NotAPromptFile(EyasError):
 
 def load_prompt_files(paths: list[Path], dedup: bool = True, flag: str = "--input",
                       keywords: tuple[str, ...] = ()) -> list[Conversation]:
-    """Load and de-duplicate prompt files (see the module docstring for the mapping). Errors
+    """Load and de-duplicate prompt files (records to turns: `eyas.formats.prompt_records`). Errors
     name the file after `flag`; a missing or non-prompt file also lists the caller's `keywords`."""
     return load_prompt_files_with_stats(paths, dedup, flag, keywords)[0]
 
@@ -184,14 +133,6 @@ def first_turn_key(conv: Conversation) -> str:
 
 def _normalise(text: str) -> str:
     return re.sub(r"[^0-9a-z]+", "", text.lower())
-
-
-def file_category(source: str) -> str:
-    low = source.lower()
-    for words, cat in FILE_CATEGORIES:
-        if any(w in low for w in words):
-            return cat
-    return "chat"
 
 
 # ---------------------------------------------------------------- reading files
@@ -371,7 +312,7 @@ def _to_conversations(path: Path, source: str, records, st: FileStats) -> list[C
             continue
         schema, turns = parsed
         st.schemas[schema] += 1
-        turns = _clean_turns(turns)
+        turns = clean_turns(turns)
         if not any(t["role"] == "user" and t["content"].strip() for t in turns):
             st.no_prompt += 1
             continue
@@ -386,86 +327,4 @@ def _to_conversations(path: Path, source: str, records, st: FileStats) -> list[C
                         "(see `eyas data prepare --help`)")
     if not out:
         raise EyasError(f"{path}: no record has a user prompt; pass a file with prompts")
-    return out
-
-
-def record_category(rec, default: str) -> str:
-    if isinstance(rec, dict):
-        for key in ("subcategory", "category"):
-            val = rec.get(key)
-            if isinstance(val, str):
-                val = CATEGORY_ALIASES.get(val.strip().lower(), val.strip().lower())
-                if val in CATEGORIES:
-                    return val
-    return default
-
-
-def _s(x) -> str:
-    return x if isinstance(x, str) else ("" if x is None else str(x))
-
-
-def _join(a, b, sep: str = "\n\n") -> str:
-    a, b = _s(a).strip(), _s(b).strip()
-    return f"{a}{sep}{b}" if a and b else a or b
-
-
-def parse_record(rec) -> tuple[str, list[dict]] | None:
-    """(schema, turns) for one record, or None when no schema matches."""
-    if isinstance(rec, str):
-        return "string", [{"role": "user", "content": rec}]
-    if not isinstance(rec, dict):
-        return None
-    u = lambda c: {"role": "user", "content": _s(c)}  # noqa: E731
-    a = lambda c: {"role": "assistant", "content": _s(c)}  # noqa: E731
-    if isinstance(rec.get("messages"), list):
-        turns = [{"role": _s(m.get("role")), "content": _s(m.get("content"))}
-                 for m in rec["messages"] if isinstance(m, dict)]
-        return "openai", [t for t in turns if t["role"] in ("system", "user", "assistant")]
-    if isinstance(rec.get("conversations"), list):
-        turns = [{"role": SHAREGPT_ROLES.get(_s(m.get("from")).lower(), ""), "content": _s(m.get("value"))}
-                 for m in rec["conversations"] if isinstance(m, dict)]
-        return "sharegpt", [t for t in turns if t["role"]]
-    if isinstance(rec.get("turns"), list):
-        refs = rec.get("reference")
-        refs = refs if isinstance(refs, list) and len(refs) == len(rec["turns"]) else None
-        turns = []
-        for i, t in enumerate(rec["turns"]):
-            turns.append(u(t))
-            if refs:
-                turns.append(a(refs[i]))
-        return "mtbench", turns
-    if "instruction" in rec:
-        inst = rec.get("instances")
-        if isinstance(inst, list) and inst and isinstance(inst[0], dict):
-            return "selfinst", [u(_join(rec["instruction"], inst[0].get("input"))), a(inst[0].get("output"))]
-        answer = rec.get("output", rec.get("response"))
-        return "alpaca", [u(_join(rec["instruction"], rec.get("input")))] + ([a(answer)] if answer else [])
-    if "question" in rec:
-        return "gsm8k", [u(rec["question"])] + ([a(rec["answer"])] if rec.get("answer") else [])
-    if "Body" in rec and "Question" in rec:
-        return "svamp", [u(_join(rec["Body"], rec["Question"], " "))]
-    if "text" in rec:
-        tests = rec.get("test_list")
-        prompt = _s(rec["text"])
-        if isinstance(tests, list) and tests:
-            prompt = prompt.strip() + "\nYour code should pass these tests:\n\n" + "\n".join(map(_s, tests))
-        return "mbpp", [u(prompt)] + ([a(rec["code"])] if rec.get("code") else [])
-    if "prompt" in rec:
-        answer = rec.get("completion", rec.get("response"))
-        return "prompt", [u(rec["prompt"])] + ([a(answer)] if answer else [])
-    return None
-
-
-def _clean_turns(turns: list[dict]) -> list[dict]:
-    """Normalise newlines; drop empty turns and assistant turns that answer nothing."""
-    out: list[dict] = []
-    for t in turns:
-        content = t["content"].replace("\r\n", "\n")
-        if not content.strip():
-            continue
-        if t["role"] == "assistant" and not any(x["role"] == "user" for x in out):
-            continue
-        if t["role"] == "system" and out:
-            continue  # a system turn is meaningful only first
-        out.append({"role": t["role"], "content": content})
     return out

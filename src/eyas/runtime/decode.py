@@ -60,7 +60,8 @@ def _done(tokens: list[int], s: DecodeSettings) -> bool:
 
 def _pick_target(logits: torch.Tensor, s: DecodeSettings, gen) -> int:
     if s.temperature <= 0:
-        return int(logits.float().argmax())  # fp32 argmax: 4x faster than bf16 on CPU, same ids
+        # fp32: a faster argmax on a CPU than bf16's, same ids (docs/cpu-performance.md, "Measurements ...")
+        return int(logits.float().argmax())
     return int(torch.multinomial(spec.sampling_probs(logits.cpu(), s.temperature, s.top_p), 1, generator=gen))
 
 

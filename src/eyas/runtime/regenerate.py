@@ -24,7 +24,8 @@ import torch
 
 from eyas.core.batching import plan_generation_batches
 from eyas.errors import EyasError
-from eyas.formats.prompts import Conversation, dedup_key
+from eyas.formats.prompt_records import Conversation
+from eyas.formats.prompts import dedup_key
 from eyas.formats.work import WORK_VERSION, WorkFile
 from eyas.runtime.batched import decode_batch
 
@@ -245,7 +246,8 @@ def write_prompts(model, tokenizer, n: int, settings: GenSettings, work_dir: Pat
             for text in texts:
                 if not text or len(text.split()) < 3 or len(out) >= n:
                     continue
-                conv = Conversation(f"{SELF_SOURCE}:{len(out)}", SELF_SOURCE, "chat", [{"role": "user", "content": text}])
+                conv = Conversation(f"{SELF_SOURCE}:{len(out)}", SELF_SOURCE, "chat",
+                                    [{"role": "user", "content": text}])
                 key = dedup_key(conv)
                 if key not in seen:
                     seen.add(key)

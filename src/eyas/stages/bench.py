@@ -30,7 +30,8 @@ from eyas import targets
 from eyas.config import arg, command
 from eyas.errors import EyasError, FindingsError
 from eyas.formats.engines import RUNTIME_ENGINES
-from eyas.stages.common import atomic_dir, emit, provenance, refuse_out_over_inputs, write_json_atomic
+from eyas.stages.common import (atomic_dir, emit, provenance, refuse_out_over_inputs, resolve_dtype,
+                               write_json_atomic)
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,9 @@ class BenchConfig:
 
 
 def register(sub) -> None:
-    p = command(sub, "bench", BenchConfig, run, help="speculative decoding vs baselines on the same prompts, one "
-                "report", description=__doc__.split("\n\n")[0] + " Acceptance length = mean over verification "
-                "steps of (accepted drafts + 1).")
-    p.set_defaults(auto_dtype=targets.decode_dtype)  # what --dtype auto means here (eyas.cli)
+    command(sub, "bench", BenchConfig, run, help="speculative decoding vs baselines on the same prompts, one "
+            "report", description=__doc__.split("\n\n")[0] + " Acceptance length = mean over verification "
+            "steps of (accepted drafts + 1).")
 
 
 # ---------------------------------------------------------------- inputs
@@ -317,6 +317,7 @@ def resolve(cfg: BenchConfig) -> BenchConfig:
 
 
 def run(cfg: BenchConfig) -> int:
+    cfg = resolve_dtype(cfg, targets.decode_dtype)  # --dtype auto: what this machine decodes fastest
     if cfg.serve:  # the real engine: eyas.stages.bench_serve drives it
         from eyas.stages import bench_serve
 

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import shutil
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +27,9 @@ from eyas.core import ttt
 from eyas.core.batching import plan_capture_batches, plan_shards
 from eyas.errors import EyasError
 from eyas.formats import capture as fcap
-from eyas.stages.common import TARGET_RUNNERS, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
+from eyas.formats import foreign_features as ffeat
+from eyas.stages.common import (TARGET_RUNNERS, atomic_dir, emit, provenance, refuse_out_over_inputs,
+                               refuse_symlink_out, resolve_dtype)
 
 log = logging.getLogger(__name__)
 PLAN_FILE = ".eyas-capture-plan.json"
@@ -287,8 +289,8 @@ def finish(out: Path, manifest: dict, records: list, spec_dir: Path | None, prov
     fcap.write_json(out / "provenance.json", prov)
     if spec_dir is not None and manifest["part"] is None:
         n_train = sum(1 for r in records if r.split == "train")
-        fcap.speculators_write_dataset(spec_dir, [r.input_ids for r in records],
-                                       [r.loss_mask for r in records], n_train, manifest["layer_ids"])
+        ffeat.speculators_write_dataset(spec_dir, [r.input_ids for r in records],
+                                        [r.loss_mask for r in records], n_train, manifest["layer_ids"])
     fcap.write_json(out / "manifest.json", manifest)
     (out / PLAN_FILE).unlink(missing_ok=True)
 
@@ -298,9 +300,8 @@ def finish(out: Path, manifest: dict, records: list, spec_dir: Path | None, prov
 
 def capture(cfg: CaptureConfig) -> dict:
     """Run `eyas capture` for `cfg` (resolving and loading the target)."""
+    cfg = resolve_dtype(cfg, targets.fast_dtype)  # auto: bf16 where the machine runs it natively, else fp32
     engine_args = check(cfg)
-    if cfg.dtype == "auto":  # the CLI resolves it before; a Python caller may not
-        cfg = replace(cfg, dtype=targets.fast_dtype(cfg.device))
     path = targets.resolve(cfg.target)
     tcfg = targets.load_config(path)
     layer_ids = targets.parse_layers(cfg.layers, tcfg.num_hidden_layers)
@@ -352,8 +353,7 @@ def capture_with_vllm(path: Path, records: list, common: dict, cfg: CaptureConfi
     part = {"index": cfg.shard_index, "count": cfg.num_shards} if cfg.num_shards > 1 else None
     m = build_manifest(common, pid, records, shards, mine, cfg.out, part)
     spec_dir = cfg.out / "speculators" if speculators else None
-    config = {k: str(v) for k, v in asdict(cfg).items()}
-    finish(cfg.out, m, records, spec_dir, {"config": config, **provenance()})
+    finish(cfg.out, m, records, spec_dir, provenance(cfg))
     return {"out": str(cfg.out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(mine),
             "bytes_per_token": bpt, "layer_ids": common["layer_ids"], "part": part, "engine": "vllm", **counts}
 
@@ -391,8 +391,7 @@ def capture_records(model: torch.nn.Module, records: list, common: dict, cfg: Ca
         fwd.close()
     part = {"index": cfg.shard_index, "count": cfg.num_shards} if cfg.num_shards > 1 else None
     m = build_manifest(common, pid, records, shards, mine, cfg.out, part)
-    finish(cfg.out, m, records, spec_dir, {"config": {k: str(v) for k, v in asdict(cfg).items()},
-                                           **provenance()})
+    finish(cfg.out, m, records, spec_dir, provenance(cfg))
     return {"out": str(cfg.out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(mine),
             "bytes_per_token": bpt, "layer_ids": common["layer_ids"], "part": part, **counts}
 
@@ -447,7 +446,8 @@ def merge(parts: list[Path], out: Path, force: bool = False) -> dict:
             if spec.is_dir():
                 shutil.copytree(spec, tmp / "speculators" / "hidden_states", dirs_exist_ok=True)
         spec_dir = tmp / "speculators" if (tmp / "speculators").is_dir() else None
-        finish(tmp, merged, recs, spec_dir, {"merged_from": [str(p) for p in parts], **provenance()})
+        cfg = MergeConfig(parts=[Path(p) for p in parts], out=Path(out), force=force)
+        finish(tmp, merged, recs, spec_dir, {"merged_from": [str(p) for p in parts], **provenance(cfg)})
     return {"out": str(out), "samples": merged["num_samples"], "tokens": merged["num_tokens"],
             "shards": len(merged["shards"])}
 
@@ -496,18 +496,18 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     path = targets.resolve(target)
     tcfg = targets.load_config(path)
     layer_ids = targets.parse_layers(layers, tcfg.num_hidden_layers)
-    rec = fcap.speculators_recorded(src) if kind == "speculators" else {}
+    rec = ffeat.speculators_recorded(src) if kind == "speculators" else {}
     if rec.get("layer_ids") is not None:
         if layers != "auto" and layer_ids != rec["layer_ids"]:
-            raise EyasError(f"--layers {layers}: {src / fcap.SPECULATORS_INFO} records that these features hold "
+            raise EyasError(f"--layers {layers}: {src / ffeat.SPECULATORS_INFO} records that these features hold "
                             f"layers {rec['layer_ids']}; drop --layers or pass those")
         layer_ids = [int(i) for i in rec["layer_ids"]]
     if kind == "specforge":
-        files = fcap.specforge_files(src)
-        items = [lambda f=f: fcap.read_specforge(f) for f in files]
+        files = ffeat.specforge_files(src)
+        items = [lambda f=f: ffeat.read_specforge(f) for f in files]
     else:
         model, _ = targets.load(path)
-        items = fcap.speculators_items(src, targets.find_decoder_stack(model).norm)
+        items = ffeat.speculators_items(src, targets.find_decoder_stack(model).norm)
     if not items:
         raise EyasError(f"{kind} features {src}: no samples found")
     first = items[0]()
@@ -541,7 +541,9 @@ def import_features(kind: str, src: Path, target: str, out: Path, layers: str = 
     prepare_out(out, pid, force)
     fcap.write_shards(out, records, shards, list(range(len(shards))), lambda idx, tick: [rows[i][1] for i in idx], None)
     m = build_manifest(common, pid, records, shards, list(range(len(shards))), out, None)
-    finish(out, m, records, None, {"imported_from": {"format": kind, "dir": str(src)}, **provenance()})
+    cfg = ImportConfig(source=src, source_format=kind, target=target, out=out, layers=layers, train_ratio=train_ratio,
+                       shard_mb=shard_mb, force=force)
+    finish(out, m, records, None, {"imported_from": {"format": kind, "dir": str(src)}, **provenance(cfg)})
     return {"out": str(out), "samples": m["num_samples"], "tokens": m["num_tokens"], "shards": len(shards)}
 
 

@@ -1,8 +1,11 @@
-"""Helpers shared by stage drivers: JSON summaries, atomic output directories, provenance."""
+"""Helpers shared by stage drivers: JSON summaries, atomic output directories, provenance, what a
+config's `dtype: auto` means for its stage."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import platform
 import shutil
@@ -11,11 +14,15 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from eyas import __version__
+from eyas.config import to_json
 from eyas.errors import EyasError
 from eyas.formats import checkpoint as ckpt_io
+
+log = logging.getLogger(__name__)
+Config = TypeVar("Config")
 
 # who runs the target in data prepare --regenerate and capture: eyas's own loop, or vLLM (eyas.serve)
 TARGET_RUNNERS = ("eyas", "vllm")
@@ -90,12 +97,16 @@ def git_sha() -> str | None:
         return None
 
 
-def provenance(args=None) -> dict:
-    """Versions, argv and git sha to store beside every artifact."""
+def provenance(cfg=None) -> dict:
+    """What to store beside every artifact: the stage's resolved config (`cfg`, its frozen config
+    dataclass, as JSON: paths as strings), versions, argv and git sha. `cfg=None` leaves the config
+    out (a caller that has none)."""
     import torch
     import transformers
 
+    assert cfg is None or dataclasses.is_dataclass(cfg), f"provenance takes a stage config, not {type(cfg)}"
     return {
+        **({"config": to_json(cfg)} if cfg is not None else {}),
         "eyas": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -103,3 +114,14 @@ def provenance(args=None) -> dict:
         "argv": sys.argv,
         "git_sha": git_sha(),
     }
+
+
+def resolve_dtype(cfg: Config, rule: Callable[[str], str]) -> Config:
+    """`cfg` with `dtype="auto"` replaced by `rule(cfg.device)`: each stage resolves its own config
+    at its start with its own rule (`targets.fast_dtype`, or `targets.decode_dtype` for decoding),
+    so a Python caller and the command line get the same dtype. Any other dtype is kept."""
+    if cfg.dtype != "auto":
+        return cfg
+    dtype = rule(cfg.device)
+    log.info("--dtype auto: %s on this machine", dtype)
+    return dataclasses.replace(cfg, dtype=dtype)

@@ -21,8 +21,9 @@ from eyas.config import arg, command
 from eyas.errors import EyasError
 from eyas.formats import data as fdata
 from eyas.formats import prompts as fprompts
-from eyas.formats.prompts import Conversation
-from eyas.stages.common import TARGET_RUNNERS, atomic_dir, emit, provenance, refuse_out_over_inputs, refuse_symlink_out
+from eyas.formats.prompt_records import Conversation
+from eyas.stages.common import (TARGET_RUNNERS, atomic_dir, emit, provenance, refuse_out_over_inputs,
+                               refuse_symlink_out, resolve_dtype)
 
 log = logging.getLogger(__name__)
 # prompts per regeneration batch on a CPU (`--batch-size` default). A decoding step's small matrix
@@ -355,7 +356,7 @@ def _render(tok, convs: list[Conversation], max_len: int, drops: Counter) -> lis
 
 
 def run_prepare(args: PrepareConfig) -> int:
-    args, engine_args = check(args)
+    args, engine_args = check(resolve_dtype(args, targets.fast_dtype))  # auto: bf16 where native, else fp32
     path = targets.resolve(args.target)
     tok = _load_tokenizer(path)
     convs, stats = _load_inputs(args.input)

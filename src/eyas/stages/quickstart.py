@@ -113,8 +113,8 @@ class StageCall:
 # Keep the stages' settings here only. --aux-gain explicit: runs trained before it are not reused;
 # --optimizer: each plan's own (Plan.optimizer), the one its minutes and steps were measured with;
 # --time-budget: see train_budget. Bench: the cutoff and methods explicit, so a changed default reruns
-# the stage; baselines plain and prompt lookup only: transformers' generate() costs a quarter of the
-# bench and is never the fastest plain decoding (docs/results/quickstart-plans.md).
+# the stage; baselines plain and prompt lookup only: transformers' generate() takes a large share of
+# the bench and is never the fastest plain decoding (docs/results/quickstart-plans.md).
 CALLS: dict[str, StageCall] = {
     "data": StageCall(("data", "prepare"), data_stage.run_prepare, lambda v: build(
         data_stage.PrepareConfig, target=v["target"], input=list(v["inputs"]), regenerate=True, limit=v["prompts"],
@@ -212,8 +212,7 @@ def train_budget(deadline: float, elapsed: float, bench_minutes: float) -> float
     elapsed, the train stage's own overhead and the bench stage's planned minutes. Never under 2
     minutes: a run already late still trains a drafter worth benching. The bench's minutes are not
     scaled by the pace of the stages before it: batched regeneration and capture do not predict
-    one-token decoding (a Zen 4 CPU without AMX ran the data stage at 1.8x its planned minutes and
-    the bench at 0.67x; a slow hour of an AMX CPU ran the data stage on plan and the bench at 1.5x)."""
+    one-token decoding (docs/cpu-performance.md, "Measurements behind the code's constants")."""
     return max(2.0, deadline - elapsed - TRAIN_STAGE_OVERHEAD - bench_minutes)
 
 

@@ -23,7 +23,7 @@ from eyas.core import vocab as core_vocab
 from eyas.core.drafter import DrafterConfig, Eagle3Drafter
 from eyas.core.ttt import Target
 from eyas.errors import EyasError
-from eyas.stages.common import (emit, provenance, refuse_out_over_inputs, refuse_symlink_out,
+from eyas.stages.common import (emit, provenance, refuse_out_over_inputs, refuse_symlink_out, resolve_dtype,
                                write_json_atomic)
 
 log = logging.getLogger(__name__)
@@ -365,6 +365,7 @@ def train(cfg: TrainConfig) -> int:
     from eyas.core.distributed import init_distributed
     from eyas.stages import trainer as tr
 
+    cfg = resolve_dtype(cfg, targets.fast_dtype)  # auto: bf16 where the machine runs it natively, else fp32
     flags = check(cfg)
     device = targets.parse_device(cfg.device)
     dist_ = init_distributed(device)
@@ -374,7 +375,8 @@ def train(cfg: TrainConfig) -> int:
     tdir = _target_dir(cfg.target)
     tcfg = targets.load_config(tdir)
     vm = None if cfg.vocab == "from-checkpoint" else _load_vocab(cfg, tcfg)
-    model, tok = targets.load(tdir, dtype=cfg.dtype if cfg.online else "fp32", device=str(device) if cfg.online else "cpu")
+    model, tok = targets.load(tdir, dtype=cfg.dtype if cfg.online else "fp32",
+                              device=str(device) if cfg.online else "cpu")
     _check_vocab_tokenizer(cfg, vm, tok)
     tokenizer_fp = targets.tokenizer_fingerprint(tok)
     embed = model.get_input_embeddings().weight.detach().float().cpu()
@@ -400,7 +402,7 @@ def train(cfg: TrainConfig) -> int:
     meta = {"kind": "eyas.train", "target": str(tdir), "target_fingerprint": targets.fingerprint(tdir),
             "tokenizer_fingerprint": tokenizer_fp, "aux_layer_ids": aux, "features": where, "vocab": str(cfg.vocab),
             "vocab_fingerprint": vocab_fingerprint(drafter.d2t, drafter.cfg.vocab_size),
-            "train_config": {**to_json(cfg), "device": str(device)}, "init": init_info, "provenance": provenance()}
+            "train_config": {**to_json(cfg), "device": str(device)}, "init": init_info, "provenance": provenance(cfg)}
     scale, softcap = targets.logit_transform(tcfg)
     trainer = tr.Trainer(cfg, drafter, source, Target(head, meta["target_fingerprint"], scale, softcap),
                          cfg.out, meta, dist_, device)

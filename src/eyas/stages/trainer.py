@@ -100,9 +100,9 @@ class Trainer:
         drafter.to(self.device)
         self.lm_head = target.lm_head.to(self.device, torch.bfloat16 if self.autocast else torch.float32)
         self.target_ids = (torch.arange(drafter.d2t.numel()) + drafter.d2t.cpu()).to(self.device)
-        # split once (draft rows, other rows): on a CPU a per-batch gather (41k of SmolLM2's rows, epoch 0)
-        # slowed epoch-0 steps (docs/cpu-performance.md); on a GPU it is cheap and a second copy of a large head is not
-        # without the other rows (~100 MB of SmolLM2's head in fp32) when every sample brings its argmax
+        # split once (draft rows, other rows) on a CPU, where a per-batch gather slowed epoch-0 steps; on a GPU
+        # the gather is cheap and a second copy of a large head is not. Without the other rows (most of the head)
+        # when every sample brings its argmax (docs/cpu-performance.md, "Measurements behind the code's constants")
         rest = not getattr(source, "argmax_stored", lambda: False)()
         self.head_rows = ttt.head_rows(self.lm_head, self.target_ids, rest) if self.device.type == "cpu" else None
         self.module = self._wrap(ttt.TTTModule(drafter, cfg.ttt, self.autocast, cfg.align_topk))
@@ -126,7 +126,7 @@ class Trainer:
         self.tb = None
         # The target's full-vocabulary argmax per sample depends on the data alone: read from the
         # capture when it holds it (eyas capture does), else computed in the first epoch and reused
-        # after it (the (M, V) lm_head product: ~10% of a bf16 step, a third of an fp32 TTT-3 step).
+        # after it (the (M, V) lm_head product's share of a step: docs/cpu-performance.md).
         self.argmax_cache: dict[tuple, torch.Tensor] = {}
 
     def _wrap(self, module: nn.Module) -> nn.Module:
@@ -176,7 +176,8 @@ class Trainer:
         if not bool(torch.isfinite(total)):
             self._diverged("loss", b)
         loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
         if not bool(torch.isfinite(gnorm)):
             self._diverged("gradient norm", b)
@@ -434,8 +435,8 @@ class Trainer:
         changed = {k: (v, now.get(k)) for k, v in saved.items()
                    if k in RESUME_MUST_MATCH and now.get(k) != v}
         if changed:
-            raise EyasError(f"--resume {self.out}: the run was started with different settings "
-                            f"{ {k: v[0] for k, v in changed.items()} } (now { {k: v[1] for k, v in changed.items()} }); "
+            then, given = {k: v[0] for k, v in changed.items()}, {k: v[1] for k, v in changed.items()}
+            raise EyasError(f"--resume {self.out}: the run was started with different settings {then} (now {given}); "
                             "resume with the original flags or start a new --out")
         if state.get("train_data", self.train_data) != self.train_data:
             raise EyasError(f"--resume {self.out}: {ck.name} was trained on other data (its training split's sample "
@@ -443,9 +444,9 @@ class Trainer:
                             "position would index other samples; resume with the run's own --capture / --data "
                             "(run.json names it), or start a new --out")
         if state.get("world", self.dist.world) != self.dist.world:  # the batch plan and global batch follow it
-            raise EyasError(f"--resume {self.out}: {ck.name} was written by a run of {state['world']} process(es), this "
-                            f"one has {self.dist.world}; resume with --nproc-per-node {state['world']} (the same "
-                            "layout), or start a new --out")
+            raise EyasError(f"--resume {self.out}: {ck.name} was written by a run of {state['world']} process(es), "
+                            f"this one has {self.dist.world}; resume with --nproc-per-node {state['world']} (the "
+                            "same layout), or start a new --out")
         layout = state.get("optimizer_layout", "torch")
         if state["optimizer"] is not None and layout != self._optimizer_layout:
             raise EyasError(f"--resume {self.out}: {ck.name} was saved {'with' if layout == 'fqn' else 'without'} "

@@ -29,7 +29,8 @@ from eyas.targets.loading import (BUILTIN, DEFAULT_TARGET, default_aux_layers, e
                                   max_positions, parse_layers, resolve, text_config, validate_dir)
 
 __all__ = ["DTYPES", "avoid_cudnn_attention", "decode_dtype", "fast_dtype", "parse_device",
-           "parse_dtype", "prepack_for_decoding", "_fingerprint_v0", "fingerprint", "same_target", "tokenizer_fingerprint",
+           "parse_dtype", "prepack_for_decoding", "_fingerprint_v0", "fingerprint", "same_target",
+           "tokenizer_fingerprint",
            "trained_for_other", "AuxCapture", "DecoderStack", "capture_aux", "find_decoder_stack", "output_head",
            "BUILTIN", "DEFAULT_TARGET", "default_aux_layers", "eyas_home", "fetch_builtin", "info", "load",
            "load_config", "local_dir", "logit_transform", "max_positions", "parse_layers", "resolve",

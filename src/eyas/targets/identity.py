@@ -21,8 +21,8 @@ FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer.model", "vocab.
 def fingerprint(path: Path) -> str:
     """Short stable id of a target: its config (less the keys that name the writer) and its
     tokenizer's vocabulary, merges and added tokens (not the weights), so one model converted or
-    saved by two library versions keeps one id. Parsing SmolLM2's tokenizer.json takes ~0.5 s, and
-    a stage asks several times, so the id is kept per directory until one of its files changes."""
+    saved by two library versions keeps one id. Parsing a tokenizer.json is slow (docs/cpu-performance.md)
+    and a stage asks several times, so the id is kept per directory until one of its files changes."""
     path = Path(path).resolve()
     stats = tuple((n, st.st_mtime_ns, st.st_size) for n in FINGERPRINT_FILES
                   if (path / n).is_file() and (st := (path / n).stat()))
@@ -56,7 +56,7 @@ def _fingerprint(path: Path, stats: tuple) -> str:
 
 
 def _fingerprint_v0(path: Path) -> str:
-    """The id eyas recorded before 2026-11-30 (raw file bytes), still accepted by `same_target`."""
+    """The id older eyas versions recorded (raw file bytes; docs/usage.md), still accepted by `same_target`."""
     h = hashlib.sha256()
     for name in FINGERPRINT_FILES:
         f = path / name

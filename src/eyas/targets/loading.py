@@ -87,8 +87,8 @@ def validate_dir(path: Path) -> dict:
             with safe_open(str(w), framework="pt") as f:
                 f.keys()
         except Exception as e:  # safetensors raises several types for a damaged file
-            raise EyasError(f"target {w}: unreadable weights ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                            "re-save or re-download the model") from e
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise EyasError(f"target {w}: unreadable weights ({why}); re-save or re-download the model") from e
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise EyasError(f"target {path}: no tokenizer files; save the tokenizer beside the model")
     return cfg
@@ -222,7 +222,8 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
         raise EyasError(f"--layers {spec!r}: expected 'auto' or comma-separated integers like 2,15,27") from e
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad or not ids:
-        raise EyasError(f"--layers {spec!r}: ids must lie in 0..{num_layers} (HF hidden_states index); got {bad or ids}")
+        raise EyasError(f"--layers {spec!r}: ids must lie in 0..{num_layers} (HF hidden_states index); "
+                        f"got {bad or ids}")
     if len(ids) != 3:
         log.warning("--layers %s: %d aux layers; SGLang and vLLM build the drafter's fc for exactly 3, so a drafter "
                     "trained on these exports to the speculators layout only", spec, len(ids))
