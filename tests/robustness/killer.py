@@ -1,19 +1,24 @@
-"""SIGKILL a command at seeded random points, rerun it to completion, and compare the final
-artifacts with an uninterrupted run's, byte for byte."""
+"""SIGKILL a command at a point of its own progress (a file, a line, a checkpoint it has just
+written), rerun it to completion, and compare the final artifacts with an uninterrupted run's.
+
+Kills are triggered by what the command has observably done, never by wall time, so a kill
+lands at the same step of the work however fast the machine runs (kills timed as shares of a
+reference run's wall time all landed before the first checkpoint on a loaded machine)."""
 
 from __future__ import annotations
 
 import os
-import random
-import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.robustness.harness import tree_hash
 
 EYAS = [sys.executable, "-m", "eyas"]
+SAFETY_S = 300  # only for a command that never gets to its event; never decides an outcome
+POLL_S = 0.002  # short: the kill should land right after the event, before much else is done
 
 
 def child_env() -> dict:
@@ -23,30 +28,32 @@ def child_env() -> dict:
     return env
 
 
-def run(argv: list, timeout: float = 300) -> tuple[subprocess.CompletedProcess, float]:
-    """Run to completion; returns (result, wall seconds)."""
-    t0 = time.monotonic()
-    r = subprocess.run(EYAS + [str(a) for a in argv], capture_output=True, text=True, timeout=timeout, env=child_env())
-    return r, time.monotonic() - t0
+def run(argv: list) -> subprocess.CompletedProcess:
+    """Run to completion."""
+    return subprocess.run(EYAS + [str(a) for a in argv], capture_output=True, text=True, timeout=SAFETY_S,
+                          env=child_env())
 
 
-def run_and_kill(argv: list, after_s: float) -> int | None:
-    """Start the command, SIGKILL it after `after_s` seconds; returns its exit code if it finished first."""
+def run_until(argv: list, event: Callable[[], bool], what: str) -> int | None:
+    """Start the command and SIGKILL it as soon as `event()` holds. Returns the exit code when
+    the command ended before the event (None when it was killed); fails, naming `what`, when
+    it neither gets there nor ends within SAFETY_S."""
     proc = subprocess.Popen(EYAS + [str(a) for a in argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=child_env())
-    deadline = time.monotonic() + after_s
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + SAFETY_S
+    while not event():
         if proc.poll() is not None:
             return proc.returncode
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"`eyas {' '.join(map(str, argv[:2]))}` never got to {what} in {SAFETY_S} s")
+        time.sleep(POLL_S)
+    if proc.poll() is not None:  # it got there and ended before this poll saw it
+        return proc.returncode
+    proc.kill()  # SIGKILL: no handler runs, as in a power cut or the OOM killer
     proc.wait()
     return None
-
-
-def kill_points(seed: int, n: int, lo: float, hi: float) -> list[float]:
-    rng = random.Random(seed)
-    return sorted(rng.uniform(lo, hi) for _ in range(n))
 
 
 def artifact_hash(out: Path, ignore: tuple[str, ...] = ()) -> dict[str, str]:

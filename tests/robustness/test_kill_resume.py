@@ -1,7 +1,12 @@
 """Kill and resume (issue 8.2): SIGKILL `data prepare --regenerate`, `capture` and `train` at
-seeded random points, check after every kill that whatever is in the output directory is
-either complete and valid or rejected/invisible to the readers, rerun to completion and
+seeded points of their progress, check after every kill that whatever is in the output directory
+is either complete and valid or rejected/invisible to the readers, rerun to completion and
 compare with an uninterrupted run (bit-identical on CPU, fp32).
+
+Each kill is triggered by an observed event (`killer.run_until`), not by the clock: a new line in
+the regeneration work file, a shard or checkpoint under its final name, or the temporary file or
+directory of one being written. The events of one test come in the order the work reaches them,
+so every rerun resumes and is killed further along; which batch, shard or step is seeded.
 
 Files that legitimately differ between runs and are ignored: capture `provenance.json`;
 prepared `manifest.json` `provenance` block and the `generation` timing/resume counters
@@ -12,33 +17,36 @@ and `train_state.pt` is compared by content (optimizer/scheduler/RNG tensors), n
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from eyas.errors import EyasError
-from tests.robustness.killer import artifact_hash, kill_points, run, run_and_kill
-
-STARTUP_S = 3.0
-LEFTOVERS: dict[str, list] = {}  # hidden temp entries a killed run left in its output (checked below)  # python + torch import before any output can exist
+from eyas.formats.capture import shard_name
+from tests.robustness.killer import artifact_hash, run, run_until
 
 
-def _kill_cycle(argv, ref_wall: float, seed: int, n: int, check) -> list:
-    """Kill at n seeded points in (STARTUP_S*0.8, ref_wall), checking what each kill left with
-    `check() -> "absent" | "rejected" | "valid"`. A cycle whose kills all came before the command
-    wrote anything has checked nothing: it is killed once more late in its run (each rerun resumes),
-    and at least one kill must have left something for the check to judge."""
+def _kill_cycle(argv, kills: list[tuple[str, Callable[[], bool]]], check) -> list:
+    """Run `argv` once per (what, event) of `kills`, SIGKILLed as soon as `event()` holds, and
+    judge what each kill left with `check() -> "absent" | "rejected" | "valid"`. At least one
+    kill must have left something for the check to judge."""
     outcomes = []
-    for t in kill_points(seed, n, min(STARTUP_S * 0.8, ref_wall * 0.3), ref_wall * 0.95):
-        code = run_and_kill(argv, t)
-        outcomes.append((round(t, 2), code, check()))
-    if all(o[2] == "absent" for o in outcomes):
-        code = run_and_kill(argv, ref_wall * 0.9)
-        outcomes.append((round(ref_wall * 0.9, 2), code, check()))
+    for what, event in kills:
+        code = run_until(argv, event, what)
+        outcomes.append((what, code, check()))
     assert any(o[2] != "absent" for o in outcomes), f"no kill left anything to check: {outcomes}"
     return outcomes
+
+
+def _lines(f: Path) -> int:
+    """Complete (newline-terminated) lines of f; 0 when it does not exist."""
+    try:
+        return f.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 # ---------------------------------------------------------------- data prepare --regenerate
@@ -82,14 +90,21 @@ def test_kill_prepare_regenerate(healthy, tmp_path):
                 "--seed", "3", "--eval-fraction", "0.25"]
 
     ref = tmp_path / "ref"
-    r, wall = run(argv(ref))
+    r = run(argv(ref))
     assert r.returncode == 0, r.stderr
+    n = json.loads((ref / "manifest.json").read_text())["generation"]["batches_generated"]
+    k = random.Random(11).randint(1, n - 1)
     out = tmp_path / "run"
-    outcomes = _kill_cycle(argv(out), wall, seed=11, n=3, check=lambda: _check_prepared(out))
+    work = out.with_name(out.name + ".partial") / "batches.jsonl"
+    kills = [("the work file created", work.exists),  # before any batch is done
+             (f"batch {k} of {n} appended", lambda: _lines(work) >= k),  # generating batch k + 1
+             # while the output is written under its temporary name (or just after the rename)
+             ("the output being written", lambda: any(tmp_path.glob(".run.tmp.*")) or out.exists())]
+    outcomes = _kill_cycle(argv(out), kills, check=lambda: _check_prepared(out))
     if out.exists():  # a kill after the rename: the command is complete; rerun needs --force
         pass
     else:
-        r2, _ = run(argv(out))
+        r2 = run(argv(out))
         assert r2.returncode == 0, (outcomes, r2.stderr)
     assert _prepared_view(out) == _prepared_view(ref), outcomes
     assert not (tmp_path / "run.partial").exists()
@@ -120,11 +135,20 @@ def test_kill_capture(healthy, tmp_path):
                 "--batch-tokens", "300", "--shard-mb", "0.05"]
 
     ref = tmp_path / "ref"
-    r, wall = run(argv(ref))
+    r = run(argv(ref))
     assert r.returncode == 0, r.stderr
+    n = len(list(ref.glob("shard-*.safetensors")))
+    j, k = sorted(random.Random(12).sample(range(n - 1), 2))
     out = tmp_path / "run"
-    outcomes = _kill_cycle(argv(out), wall, seed=12, n=3, check=lambda: _check_capture(out))
-    r2, _ = run(argv(out))
+
+    def shard(i: int, tmp: bool = False) -> Path:
+        return out / (f".{shard_name(i)}.tmp" if tmp else shard_name(i))
+
+    kills = [(f"shard {j} being written", lambda: shard(j, tmp=True).exists() or shard(j).exists()),
+             (f"shard {k} of {n} written", lambda: shard(k).exists()),  # capturing shard k + 1
+             ("the last shard written", lambda: shard(n - 1).exists())]  # the manifest is next
+    outcomes = _kill_cycle(argv(out), kills, check=lambda: _check_capture(out))
+    r2 = run(argv(out))
     assert r2.returncode == 0, (outcomes, r2.stderr)
     ignore = ("provenance.json",)
     assert artifact_hash(out, ignore) == artifact_hash(ref, ignore), outcomes
@@ -159,18 +183,27 @@ def _state_equal(a: Path, b: Path) -> None:
             assert torch.equal(torch.as_tensor(pa[k]), torch.as_tensor(pb[k])), k
 
 
+STEPS = 4  # a checkpoint after every step (--eval-every 1)
+
+
 def test_kill_train(healthy, tmp_path):
     def argv(out):
         return ["train", "--target", healthy["target"], "--capture", healthy["cap"], "--vocab", healthy["vocab"],
-                "--out", out, "--ttt", "2", "--max-steps", "4", "--eval-every", "1", "--dtype", "fp32",
+                "--out", out, "--ttt", "2", "--max-steps", STEPS, "--eval-every", "1", "--dtype", "fp32",
                 "--batch-tokens", "128", "--keep-last", "10", "--resume"]
 
     ref = tmp_path / "ref"
-    r, wall = run(argv(ref))
+    r = run(argv(ref))
     assert r.returncode == 0, r.stderr
+    a, b = sorted(random.Random(13).sample(range(1, STEPS), 2))
     out = tmp_path / "run"
-    outcomes = _kill_cycle(argv(out), wall, seed=13, n=3, check=lambda: _check_run(out))
-    r2, _ = run(argv(out))
+    ck = out / "checkpoints"
+    kills = [  # save_checkpoint writes .step-A.tmp.*, renames it to step-A, then train_state.pt goes in
+        (f"checkpoint step-{a} being saved", lambda: any(ck.glob(f".step-{a}.tmp.*")) or (ck / f"step-{a}").exists()),
+        (f"checkpoint step-{b} complete", lambda: (ck / f"step-{b}" / "train_state.pt").exists()),
+        ("the final checkpoint being saved", lambda: any(out.glob(".final.tmp.*")) or (out / "final").exists())]
+    outcomes = _kill_cycle(argv(out), kills, check=lambda: _check_run(out))
+    r2 = run(argv(out))
     assert r2.returncode == 0, (outcomes, r2.stderr)
     ignore = ("metrics.jsonl", "run.json", "eyas.json", "plots", "tb/", "train_state.pt")
     got = artifact_hash(out, ignore)

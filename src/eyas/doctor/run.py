@@ -110,6 +110,10 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
         prompts = dynamic.prompt_ids_from_data(opt.data, opt.num_prompts)
     fs, meas = dynamic.run_dynamic(raw, layout, views, model, tok, prompts, opt.new_tokens, opt.steps)
     rep.extend(_soften(fs, strict, layout))
+    maps = [f for f in rep.errors if f.id in ("EYAS-D2T-WRONG-IDS", "EYAS-HEAD-VOCAB-MISMATCH", "EYAS-VOCAB-CHANGED")]
+    for f in rep.findings:  # low acceptance explained by the maps: their fix, not retraining
+        if f.id == "EYAS-ACCEPTANCE-LOW" and maps:
+            f.cause, f.fix = f"the vocabulary maps are not the head's ({maps[0].id}).", maps[0].fix
     if meas and opt.decode:
         meas["decode"] = dynamic.decode_acceptance(opt.ckpt, model, tdir, layout, list(opt.engines), prompts,
                                                    opt.new_tokens, opt.steps)
