@@ -110,8 +110,10 @@ def _greedy_corpus(model, tok, n: int = 32, new: int = 20) -> torch.Tensor:
                           do_sample=False, pad_token_id=tok.eos_token_id)  # (n, 5 + new)
 
 
-def train_tiny_drafter(target_dir: Path, steps: int = 60, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor]:
-    """A drafter trained with the TTT loss on the tiny target's own greedy text (plain loop)."""
+def train_tiny_drafter(target_dir: Path, steps: int = 60, seed: int = 0,
+                       head_from_target: bool = False) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """A drafter trained with the TTT loss on the tiny target's own greedy text (plain loop);
+    `head_from_target`: its lm_head starts from the target's rows of the draft ids, as `eyas train`'s."""
     from eyas import targets
     from eyas.core import vocab as core_vocab
     from eyas.core.drafter import DrafterConfig, Eagle3Drafter
@@ -129,6 +131,9 @@ def train_tiny_drafter(target_dir: Path, steps: int = 60, seed: int = 0) -> tupl
     d.d2t.copy_(d2t)
     d.t2d.copy_(t2d)
     d.load_target_embedding(model.get_input_embeddings().weight)
+    if head_from_target:
+        with torch.no_grad():
+            d.lm_head.weight.copy_(model.lm_head.weight[core_vocab.target_ids(d2t)])
     with torch.no_grad(), targets.capture_aux(model, AUX) as cap:
         model(ids)
         aux, last = cap.aux(), cap.last

@@ -30,6 +30,7 @@ class DoctorOptions:
     steps: int = 5
     decode: bool = True  # also decode for real through eyas.runtime (cross-check)
     device: str = "cpu"  # where the target runs (the drafter's teacher-forced checks stay on the CPU)
+    max_model_len: int | None = None  # the context served (None: the target's max_position_embeddings)
 
 
 def diagnose(opt: DoctorOptions) -> Report:
@@ -80,6 +81,7 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
     tf = with_target.target_facts(tdir)
     rep.measurements["target"] = {"path": str(tdir), **tf}
     rep.extend(with_target.check_sizes(raw, layout, tf))
+    rep.extend(with_target.check_positions(raw, views, tf, opt.max_model_len))
     if not rep.has("EYAS-VOCAB-SIZE"):
         from eyas.formats.target_weights import target_head
 

@@ -18,39 +18,28 @@ from eyas.formats import engines
 
 log = logging.getLogger(__name__)
 
-# Architectures whose target model implements EAGLE-3 aux capture, per engine.
-# SGLang: models defining `set_eagle3_layers_to_capture` (python/sglang/srt/models/);
-# vLLM: models implementing `SupportsEagle3` (vllm/model_executor/models/).
-# Checked on 2026-11-29 with the code search index: sglang llama.py at commit 00239548f1cd
-# (LlamaForCausalLM, and its subclasses Phi3ForCausalLM, InternLM3ForCausalLM; the `+1`
-# rule); vllm llama.py at e06c9ba2a6ea. The other entries are recalled from the engines'
-# sources and marked so; re-check them before relying on a "not supported" answer.
-ARCH_SUPPORT = {
-    "sglang": {
-        "checked": "2026-12-01, stored copies of sgl-project/sglang python/sglang/srt/models/*.py (a model class "
-                   "with set_eagle3_layers_to_capture, or a subclass of one): llama.py@00239548 (Llama, Phi3, "
-                   "InternLM3), mistral.py@00b08c49, llama4.py@003cb210, qwen3.py@01b5f572, qwen3_moe.py@008af3a6, "
-                   "deepseek_v2.py@3e4a39ee (V2, V3, V3.2), glm4_moe.py (GlmMoeDsa subclasses DeepSeek-V2), gpt_oss.py@009c6808, minimax_m2.py@01b5f572, "
-                   "glm4_moe.py@005ffc65, kimi_k25.py@00a239e5; Qwen2 and Qwen2-MoE from code excerpts only",
-        "archs": {"LlamaForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "MistralForCausalLM",
-                  "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                  "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
-                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM",
-                  "KimiK25ForConditionalGeneration"},
-    },
-    "vllm": {
-        "checked": "2026-12-01, stored copies of vllm-project/vllm (a class declaring SupportsEagle3, by "
-                   "registry name): llama.py@e06c9ba2 (Llama; Mistral and InternLM3 map to it), phi3 (a "
-                   "LlamaForCausalLM subclass), gpt_oss.py@a6b6cfaa; Qwen2, Qwen3, Qwen3-MoE, MiniMax-M2 from code "
-                   "excerpts; DeepSeek-V3 and Llama 4 recalled, not found in the (older) stored copies",
-        "archs": {"LlamaForCausalLM", "MistralForCausalLM", "InternLM3ForCausalLM", "Phi3ForCausalLM",
-                  "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                  "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM", "MiniMaxM2ForCausalLM",
-                  "Llama4ForConditionalGeneration"},
-    },
-    # speculators trains/serves through vLLM's loader, so it shares vLLM's list.
-    "speculators": {"checked": "same as vllm (speculators checkpoints are served by vLLM)", "archs": None},
+# Architectures whose target model implements EAGLE-3 aux capture, per engine registry, where the
+# installed engine cannot be asked (SGLang always; vLLM when it is not installed). Read in stored
+# copies of the engines' sources:
+# - sglang python/sglang/srt/models/ (a class with set_eagle3_layers_to_capture, or a subclass):
+#   llama.py @ 00239548 (Llama, Phi3, InternLM3), mistral.py @ 00b08c49, llama4.py @ 003cb210,
+#   qwen3.py @ 01b5f572, qwen3_moe.py @ 008af3a6, deepseek_v2.py @ 3e4a39ee (V2, V3, V3.2; GlmMoeDsa
+#   subclasses it), gpt_oss.py @ 009c6808, minimax_m2.py @ 01b5f572, glm4_moe.py @ 005ffc65,
+#   kimi_k25.py @ 00a239e5; Qwen2 and Qwen2-MoE from excerpts only.
+# - vllm vllm/model_executor/models/ (a class declaring SupportsEagle3, by registry name): llama.py @
+#   e06c9ba2 (Llama; Mistral and InternLM3 map to it; Phi3 subclasses it), gpt_oss.py @ a6b6cfaa; Qwen2,
+#   Qwen3, Qwen3-MoE, MiniMax-M2 from excerpts; DeepSeek-V3 and Llama 4 not found in those copies.
+STORED_ARCHS = {
+    "sglang": {"LlamaForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM", "MistralForCausalLM",
+               "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+               "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "GptOssForCausalLM", "Llama4ForCausalLM",
+               "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM",
+               "KimiK25ForConditionalGeneration"},
+    "vllm": {"LlamaForCausalLM", "MistralForCausalLM", "InternLM3ForCausalLM", "Phi3ForCausalLM",
+             "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM",
+             "GptOssForCausalLM", "MiniMaxM2ForCausalLM", "Llama4ForConditionalGeneration"},
 }
+STORED = "stored list (source files named in eyas/doctor/with_target.py)"
 
 
 def target_facts(target_dir) -> dict:
@@ -58,7 +47,54 @@ def target_facts(target_dir) -> dict:
 
     cfg = targets.load_config(target_dir)
     return {"num_layers": int(cfg.num_hidden_layers), "hidden_size": int(cfg.hidden_size),
-            "vocab_size": int(cfg.vocab_size), "architecture": (getattr(cfg, "architectures", None) or ["?"])[0]}
+            "vocab_size": int(cfg.vocab_size), "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
+            "max_positions": targets.max_positions(cfg)}
+
+
+def trained_positions(raw: RawCheckpoint) -> tuple[int | None, str]:
+    """(the longest position the drafter was trained at, where that was read): eyas.json's
+    `trained_positions`, else its training config's --max-len (an upper bound); None for a drafter
+    eyas did not train."""
+    m = raw.meta
+    if isinstance(m.get("trained_positions"), int) and m["trained_positions"] > 0:
+        return m["trained_positions"], "eyas.json trained_positions"
+    tc = m.get("train_config") or {}
+    if isinstance(tc.get("max_len"), int):
+        return tc["max_len"], "eyas.json train_config.max_len"
+    return None, ""
+
+
+def check_positions(raw: RawCheckpoint, views: dict[str, EngineReading], tf: dict,
+                    max_model_len: int | None) -> list[Finding]:
+    """The drafter's positions against the context it is served at (`max_model_len`, else the
+    target's max_position_embeddings): the length it was trained at, and the config field each
+    engine builds its rotary table from."""
+    served = max_model_len or tf["max_positions"]
+    where = "--max-model-len" if max_model_len else "the target's max_position_embeddings"
+    out = []
+    trained, src = trained_positions(raw)
+    if trained is not None and trained < served:
+        out.append(make("EYAS-POSITIONS-SHORT", f"trained at up to {trained} tokens, served up to {served} ({where}): "
+                        "acceptance past the trained length is unmeasured", severity=POSITION_SEVERITY["trained"],
+                        evidence={"trained_positions": trained, "from": src, "served": served},
+                        cause="a drafter sees positions past its training only at serving time; its acceptance "
+                        "falls with context there (measure it before deploying).",
+                        fix="eyas bench with prompts as long as you serve; retrain with --max-len on long data, or "
+                        f"serve with --max-model-len {trained}"))
+    for e, r in views.items():
+        got = r.config.max_position_embeddings
+        if got < served:
+            out.append(make("EYAS-POSITIONS-SHORT", f"{e} reads max_position_embeddings={got}, served up to {served} "
+                            f"({where})", engine=e, severity=POSITION_SEVERITY[e],
+                            evidence={"max_position_embeddings": got, "served": served}, cause=POSITION_CAUSE[e],
+                            fix=f"set max_position_embeddings to {served} in config.json (the drafter's RoPE is the "
+                            "target's; the field only sizes its tables)"))
+    return out
+
+
+# Set from what vLLM 0.32 does when served (bench/positions_vs_vllm.py); see docs/results.
+POSITION_SEVERITY = {"trained": WARNING, "vllm": WARNING, "speculators": WARNING, "sglang": WARNING}
+POSITION_CAUSE = {e: "the engine sizes the drafter's rotary table from it" for e in POSITION_SEVERITY}
 
 
 def check_sizes(raw: RawCheckpoint, layout: str, tf: dict) -> list[Finding]:
@@ -158,19 +194,22 @@ def installed_vllm_eagle3(arch: str) -> tuple[bool, str] | None:
 
 
 def arch_support(engine: str, arch: str) -> tuple[bool, str]:
-    """(supported, where that was read): vLLM (and speculators, served by vLLM) from the installed
-    engine when there is one, else the stored list above; SGLang always from the stored list."""
-    if engine in ("vllm", "speculators"):
+    """(supported, where that was read): from the installed engine of the spec's registry when it can
+    be asked (vLLM), else the stored list above."""
+    registry = engines.spec(engine).arch_registry
+    ask = INSTALLED.get(registry)
+    if ask is not None:
         try:
-            got = installed_vllm_eagle3(arch)
+            got = ask(arch)
         except Exception as e:  # noqa: BLE001 - a broken vLLM install: say so and use the stored list
-            log.warning("could not ask the installed vLLM about %s (%s); using the stored list", arch, e)
+            log.warning("could not ask the installed %s about %s (%s); using the stored list", registry, arch, e)
             got = None
         if got is not None:
             return got
-    entry = ARCH_SUPPORT.get(engine) or {}
-    archs = entry.get("archs") if entry.get("archs") is not None else ARCH_SUPPORT["vllm"]["archs"]
-    return arch in archs, f"stored list ({entry.get('checked')})"
+    return arch in STORED_ARCHS[registry], STORED
+
+
+INSTALLED = {"vllm": installed_vllm_eagle3}  # registries eyas can ask in this environment
 
 
 def check_arch(arch: str, engines: list[str]) -> list[Finding]:
@@ -178,7 +217,7 @@ def check_arch(arch: str, engines: list[str]) -> list[Finding]:
     for e in engines:
         ok, source = arch_support(e, arch)
         out.append(make("EYAS-ARCH-UNSUPPORTED" if not ok else "EYAS-ARCH-SUPPORTED",
-                        f"{e}: {'no ' if not ok else ''}EAGLE-3 aux capture for {arch} (source: {source})",
+                        f"{e}: {'no ' if not ok else ''}EAGLE-3 aux capture for {arch}",
                         severity=WARNING if not ok else INFO, engine=e,
                         evidence={"architecture": arch, "source": source},
                         cause="" if ok else f"without aux capture {e} refuses EAGLE-3 for this target (vLLM: "

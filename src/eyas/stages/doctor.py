@@ -29,6 +29,8 @@ class DoctorConfig:
     against: Path | None = arg("vocab file or another checkpoint to compare the draft vocabulary with", None)
     prompts: list[Path] | None = arg("prompt file(s) for the dynamic checks (needs --target), as for bench", None,
                                      metavar="FILE")
+    max_model_len: int | None = arg("the context you serve at (vLLM's --max-model-len); default: the target's "
+                                    "max_position_embeddings", None)
     num_prompts: int = arg("prompts used by the dynamic checks", 8)
     new_tokens: int = arg("target tokens generated per prompt", 32)
     steps: int = arg("draft steps measured (chain depth)", 5)
@@ -64,7 +66,7 @@ def run(args: DoctorConfig) -> int:
     if args.against is not None and not args.against.exists():
         raise EyasError(f"--against {args.against}: no such file or directory")
     for flag, v, least in (("--num-prompts", args.num_prompts, 1), ("--steps", args.steps, 1),
-                           ("--new-tokens", args.new_tokens, 2)):
+                           ("--new-tokens", args.new_tokens, 2), ("--max-model-len", args.max_model_len or 1, 1)):
         if v < least:
             raise EyasError(f"{flag} {v}: must be >= {least}")
     targets.parse_device(args.device)  # a bad --device exits 2 before any work
@@ -76,7 +78,7 @@ def run(args: DoctorConfig) -> int:
     engines = ALL_ENGINES if args.engine == "all" else (args.engine,)
     rep = diagnose(DoctorOptions(args.ckpt, args.target, engines, args.engine != "all", args.data, args.against,
                                  args.prompts, args.num_prompts, args.new_tokens, args.steps,
-                                 not args.no_decode, args.device))
+                                 not args.no_decode, args.device, args.max_model_len))
     if args.json:
         print(json.dumps(rep.to_dict(), indent=2, default=_jsonable))
     else:

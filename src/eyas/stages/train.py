@@ -402,6 +402,8 @@ def train(cfg: TrainConfig) -> int:
     meta = {"kind": "eyas.train", "target": str(tdir), "target_fingerprint": targets.fingerprint(tdir),
             "tokenizer_fingerprint": tokenizer_fp, "aux_layer_ids": aux, "features": where, "vocab": str(cfg.vocab),
             "vocab_fingerprint": vocab_fingerprint(drafter.d2t, drafter.cfg.vocab_size),
+            # the longest position it was trained at (the doctor compares it with the served context)
+            "trained_positions": max(source.lengths("train"), default=0),
             "train_config": {**to_json(cfg), "device": str(device)}, "init": init_info, "provenance": provenance(cfg)}
     scale, softcap = targets.logit_transform(tcfg)
     trainer = tr.Trainer(cfg, drafter, source, Target(head, meta["target_fingerprint"], scale, softcap),
