@@ -482,4 +482,4 @@ def test_arch_source_is_named(healthy, eyas_cli, tiny_target):
     assert arch_support("sglang", "LlamaForCausalLM")[1].startswith("stored list")
     code, rep = doctor(eyas_cli, healthy["vllm"], "--engine", "vllm", "--target", tiny_target)
     arch = [f for f in rep["findings"] if f["id"].startswith("EYAS-ARCH")]
-    assert arch and "source:" in arch[0]["message"]
+    assert arch and arch[0]["evidence"]["source"] == source  # in --json; the human line stays one short line
