@@ -106,6 +106,7 @@ def test_kill_prepare_regenerate(healthy, tmp_path):
     else:
         r2 = run(argv(out))
         assert r2.returncode == 0, (outcomes, r2.stderr)
+        assert not list(tmp_path.glob(".run.tmp.*")), "the rerun left a killed run's temporary output beside it"
     assert _prepared_view(out) == _prepared_view(ref), outcomes
     assert not (tmp_path / "run.partial").exists()
 

@@ -45,6 +45,9 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     if out.exists() and not force and any(out.iterdir()):
         raise EyasError(f"--out {out} exists and is not empty; pass --force to replace it or choose another path")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.tmp.*"):  # what a killed earlier run of this output left
+        log.info("removing %s, left by an interrupted run", stale)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp.", dir=out.parent))
     try:
         yield tmp
