@@ -29,7 +29,7 @@ import torch
 from eyas import targets
 from eyas.config import arg, command
 from eyas.errors import EyasError, FindingsError
-from eyas.formats.engines import RUNTIME_ENGINES
+from eyas.formats.engines import EYAS, RUNTIME_ENGINES
 from eyas.stages.common import (atomic_dir, emit, provenance, refuse_out_over_inputs, resolve_dtype,
                                write_json_atomic)
 
@@ -116,7 +116,7 @@ def default_cutoff(device: torch.device, dtype: torch.dtype, engine: str = "eyas
     by the draft steps it saves, at a lower probability). Else 0: on a GPU verification and draft
     steps cost little (launch-bound), and no cutoff was measured there. An emulated engine
     (`--engine sglang|vllm`) drafts its full budget, as the engine does."""
-    if engine != "eyas" or torch.device(device).type != "cpu":
+    if engine != EYAS or torch.device(device).type != "cpu":
         return 0.0
     return {torch.float32: CPU_CUTOFF, torch.bfloat16: CPU_BF16_CUTOFF}.get(dtype, 0.0)
 
@@ -259,7 +259,7 @@ def method_list(args, names: list[str]) -> list[str]:
     if bad:
         raise EyasError(f"--methods: unknown {bad}; use a comma list of {', '.join(EYAS_METHODS)}")
     grafted = [m for m in eyas if m.endswith(LOOKUP)]
-    if grafted and args.engine != "eyas":
+    if grafted and args.engine != EYAS:
         raise EyasError(f"--methods {','.join(grafted)} with --engine {args.engine}: {args.engine} serves the drafter "
                         f"without a prompt-lookup branch; use --methods {ENGINE_METHODS} (or --engine eyas)")
     for flag, given in (("--baselines", base), ("--methods", eyas)):
@@ -287,7 +287,7 @@ def resolve(cfg: BenchConfig) -> BenchConfig:
     --concurrency); exits 2 (EyasError) on numbers bench cannot run with, before the target loads."""
     serve = cfg.serve is not None
     if cfg.methods is None:  # a real engine serves a chain: eyas's runtime runs the same beside it
-        cfg = replace(cfg, methods="chain" if serve else DEFAULT_METHODS if cfg.engine == "eyas" else ENGINE_METHODS)
+        cfg = replace(cfg, methods="chain" if serve else DEFAULT_METHODS if cfg.engine == EYAS else ENGINE_METHODS)
     if cfg.baselines is None:
         cfg = replace(cfg, baselines="plain" if serve else "plain,hf,pld")
     if not serve:

@@ -117,7 +117,7 @@ def write_export(src: Path, layout: str, fmt: str, out: Path, *, target=None, fo
         problems = engines.static_check(tmp, fmt, expected=cfg, target=tdir)
         other = targets.trained_for_other(src, tdir) if tdir else None
         problems += [f"{other}: pass the drafter's own --target"] if other else []
-        if fmt != "eyas":
+        if fmt != engines.EYAS:
             notes += engines.engine_reading(tmp, fmt, tdir).notes
         if problems and not force:
             raise FindingsError(f"refused to write {out} for {fmt}: " + "; ".join(problems)
