@@ -293,7 +293,8 @@ class Eagle3Drafter(nn.Module):
     @torch.no_grad()
     def load_target_embedding(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise ValueError(f"target embedding {tuple(weight.shape)} != drafter's {tuple(self.embed_tokens.weight.shape)}")
+            raise ValueError(f"target embedding {tuple(weight.shape)} != drafter's "
+                             f"{tuple(self.embed_tokens.weight.shape)}")
         self.embed_tokens.weight.copy_(weight)
         self.embedding_loaded = True
 

@@ -6,7 +6,8 @@ with_target.py (sizes, embedding, aux ids, which architectures capture aux state
 vLLM when there is one), dynamic.py (step-0 accuracy and acceptance per engine reading, cause
 location, vocabulary comparison, flag recommendations).
 
-Checked against the real engine: faults.py (the broken exports the doctor must catch),
-vllm_probe.py (what real vLLM does with an export), agreement.py (the two verdicts compared;
-bench/doctor_vs_vllm.py and tests/doctor/test_doctor_vllm.py run it).
+Checked against the real engine outside the package: bench/doctor_faults.py (the broken exports
+the doctor must catch), bench/doctor_agreement.py (the two verdicts compared; what vLLM does with
+an export comes from eyas.serve.vllm_serve.serve_series), run by bench/doctor_vs_vllm.py and
+tests/doctor/test_doctor_vllm.py.
 """

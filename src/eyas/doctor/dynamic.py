@@ -149,7 +149,8 @@ def build_drafter(cfg: DrafterConfig, path: Path_, target_embed: torch.Tensor) -
     if "d2t" not in path.state:
         load["d2t"] = torch.zeros_like(own["d2t"])
     d.load_state_dict(load, strict=False)
-    emb = path.embed if path.embed is not None and tuple(path.embed.shape) == tuple(target_embed.shape) else target_embed
+    own = path.embed is not None and tuple(path.embed.shape) == tuple(target_embed.shape)
+    emb = path.embed if own else target_embed
     d.load_target_embedding(emb.float())
     d.eval()
     return d, skipped
@@ -335,7 +336,8 @@ def locate(name: str, base: dict, p: Path_, raw, intended, L, cfg_base, seqs, st
     f = make(fid, f"dynamic: {who} accepts {base_al:.2f} tokens/step; with {label} it accepts "
              f"{r['accept_len']:.2f}", engine=eng,
              evidence={"accept_len": round(base_al, 3), "restored_accept_len": round(r["accept_len"], 3),
-                       "step0_acc": round(base.get("step0_acc", 0.0), 3), "restored_step0_acc": round(r["step0_acc"], 3),
+                       "step0_acc": round(base.get("step0_acc", 0.0), 3),
+                       "restored_step0_acc": round(r["step0_acc"], 3),
                        "variant": label, "diff": round(test["diff"], 3), "se": round(test["se"], 3),
                        "positions": test["positions"]},
              cause=CAUSES[fid], fix=FIXES[fid].format(ckpt=raw.path, engine=eng or "sglang"),
@@ -367,7 +369,8 @@ CAUSES = {
 }
 REPAIR_FROM = {"EYAS-D2T-WRONG-IDS": "t2d", "EYAS-D2T-ABSOLUTE": "d2t-absolute"}  # eyas vocab repair --maps-from
 FIXES = {
-    "EYAS-AUX-OFF-BY-ONE": "eyas convert {ckpt} --to {engine} --out OUT (re-export with aux ids in {engine}'s convention)",
+    "EYAS-AUX-OFF-BY-ONE": "eyas convert {ckpt} --to {engine} --out OUT (re-export with aux ids in {engine}'s "
+                           "convention)",
     "EYAS-FC-BYPASS": "enable aux capture: eagle_config.use_aux_hidden_state=true and a target architecture "
                       "with EAGLE-3 capture in {engine}",
     "EYAS-D2T-ABSOLUTE": "store d2t = ids - arange(N): eyas vocab repair --drafter {ckpt} --maps-from d2t-absolute "

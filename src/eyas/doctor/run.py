@@ -88,7 +88,8 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
         files = [opt.against] if opt.against and Path(opt.against).is_file() else []
         rep.findings = head_check.reconcile(rep.findings, head_check.check_head(raw, target_head(tdir), files),
                                             raw.path)
-    rep.extend(_soften(with_target.check_aux_against_target(rep, raw, layout, views if layout != engines.EYAS else {}, tf),
+    engine_views = views if layout != engines.EYAS else {}
+    rep.extend(_soften(with_target.check_aux_against_target(rep, raw, layout, engine_views, tf),
                        strict, layout))
     if layout == engines.EYAS:
         rep.extend(with_target.check_arch(tf["architecture"], list(opt.engines)))

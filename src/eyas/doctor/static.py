@@ -134,7 +134,8 @@ def _config_fields(raw: RawCheckpoint, layout: str, d: dict, n_aux: int, Ht) -> 
             and d["lm_rows"] != d["t2d"]:
         out.append(make("EYAS-CONFIG-MISSING", "config.json has no draft_vocab_size; engines assume vocab_size",
                         evidence={"lm_head_rows": d["lm_rows"], "vocab_size": d["t2d"]},
-                        cause="without draft_vocab_size the engine builds a full-vocabulary head and fails or misreads.",
+                        cause="without draft_vocab_size the engine builds a full-vocabulary head and fails or "
+                        "misreads.",
                         fix=f"add \"draft_vocab_size\": {d['lm_rows']} to config.json"))
     layers = cfg_get(c, "num_hidden_layers")
     if layout in engines.ENGINES and engines.spec(layout).flat and layers not in (None, 1):
@@ -366,7 +367,8 @@ def check_aux(raw: RawCheckpoint, layout: str, views: dict[str, EngineReading]) 
             continue
         if intended and r.aux_layer_ids_hf != intended:
             diff = [a - b for a, b in zip(r.aux_layer_ids_hf, intended)]
-            fid = "EYAS-AUX-OFF-BY-ONE" if diff and all(x == diff[0] for x in diff) and abs(diff[0]) == 1 else "EYAS-AUX-CONVENTION"
+            one_off = diff and all(x == diff[0] for x in diff) and abs(diff[0]) == 1
+            fid = "EYAS-AUX-OFF-BY-ONE" if one_off else "EYAS-AUX-CONVENTION"
             out.append(make(fid, f"{e} would capture HF hidden_states {r.aux_layer_ids_hf}, the drafter was trained "
                             f"on {intended}", engine=e,
                             evidence={"engine_hf": r.aux_layer_ids_hf, "intended_hf": intended, "intended_from": src,
@@ -402,19 +404,17 @@ def check_engine_errors(views: dict[str, EngineReading], failed: dict[str, str] 
 
 # ---------------------------------------------------------------- config the engine builds vs the trained one
 
-# How much a field the engine reads differently from training costs (measured against vLLM 0.32
-# with bench/doctor_vs_vllm.py, SmolLM2 drafter, ~100-token contexts, healthy acceptance 3.66).
-# A peer flag changes the layer's function: acceptance collapses. RoPE moved it little (theta
-# 10000 for 100000: 3.34; linear scaling x4: 3.54): the drafter attends mostly to nearby
-# positions, where the rotations differ least, so it is a warning to measure at your context
-# lengths. rms_norm_eps is added to a mean square far larger than it: served unaffected.
-# norm_before_residual read as true for a drafter trained without it (vLLM's default for a
-# speculators config that omits it, algos.update_eagle3) cost little too (3.46): the residual
-# becomes hidden_norm(h) instead of h, close while h's RMS is near one. The other peer flags
-# (norm_before_fc, fc_norm, norm_output) add or drop a norm on the whole path: errors. A smaller max_position_embeddings collapsed acceptance (1.02 against
-# 3.66) although vLLM raises it for the rotary cache
-# (SpeculativeConfig._maybe_override_draft_max_position_embeddings); a larger one changes
-# nothing under default RoPE (scaled RoPE types read it: see _severity).
+# How much a field the engine reads differently from training costs, as served in vLLM 0.32
+# (bench/doctor_vs_vllm.py; the figures are in docs/results/cpu-amx.md, "The doctor against the
+# engine"). A peer flag changes the layer's function: acceptance collapses (errors). RoPE moved it
+# little at short contexts (the drafter attends mostly to nearby positions, where the rotations
+# differ least): a warning to measure at your context lengths. rms_norm_eps is added to a mean
+# square far larger than it: unaffected. norm_before_residual read as true for a drafter trained
+# without it (vLLM's default for a speculators config that omits it, algos.update_eagle3) cost
+# little: the residual becomes hidden_norm(h) instead of h, close while h's RMS is near one. A smaller
+# max_position_embeddings collapsed acceptance although vLLM raises it for the rotary cache
+# (SpeculativeConfig._maybe_override_draft_max_position_embeddings); a larger one changes nothing
+# under default RoPE (scaled RoPE types read it: see _severity).
 FIELD_SEVERITY = {"rope_parameters": WARNING, "rms_norm_eps": WARNING, "max_position_embeddings": ERROR,
                   "norm_before_residual": WARNING}
 
@@ -456,12 +456,11 @@ def check_shared_fields(raw: RawCheckpoint, views: dict[str, EngineReading]) -> 
 
 _FIELD_CAUSE = {
     "rope_parameters": "RoPE rotates every query and key: a different theta or scaling moves attention scores, "
-                       "little at short distances (vLLM 0.32, SmolLM2 drafter: 3.66 -> 3.34 for theta 10000), "
-                       "more at long ones: measure with --target T --prompts FILE at your context lengths.",
+                       "little at short distances, more at long ones: measure with --target T --prompts FILE at "
+                       "your context lengths.",
     "rms_norm_eps": "eps is added to the mean square of activations far larger than it: negligible in practice.",
     "norm_before_residual": "the residual becomes hidden_norm(h) instead of h (or back): close while h's RMS is "
-                            "near one (vLLM 0.32, SmolLM2 drafter: 3.66 -> 3.46); measure with --target T --prompts "
-                            "FILE, and write the flag explicitly.",
-    "max_position_embeddings": "fewer positions than trained: vLLM 0.32 serves it with acceptance collapsed "
-                               "(measured 1.02 against 3.66) though it raises the value for its rotary cache.",
+                            "near one; measure with --target T --prompts FILE, and write the flag explicitly.",
+    "max_position_embeddings": "fewer positions than trained: vLLM serves it with acceptance collapsed, though it "
+                               "raises the value for its rotary cache.",
 }

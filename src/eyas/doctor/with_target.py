@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from eyas.doctor.findings import INFO, WARNING, Finding, Report, make
+from eyas.doctor.findings import ERROR, INFO, WARNING, Finding, Report, make
 from eyas.doctor.reading import EngineReading, RawCheckpoint, intended_aux_ids
 from eyas.doctor.static import CONVERT, _dims, cfg_get
 from eyas.formats import engines
@@ -93,8 +93,13 @@ def check_positions(raw: RawCheckpoint, views: dict[str, EngineReading], tf: dic
 
 
 # Set from what vLLM 0.32 does when served (bench/positions_vs_vllm.py); see docs/results.
-POSITION_SEVERITY = {"trained": WARNING, "vllm": WARNING, "speculators": WARNING, "sglang": WARNING}
-POSITION_CAUSE = {e: "the engine sizes the drafter's rotary table from it" for e in POSITION_SEVERITY}
+POSITION_SEVERITY = {"trained": WARNING, "vllm": ERROR, "speculators": ERROR, "sglang": WARNING}
+POSITION_CAUSE = {
+    "vllm": "vLLM serves a drafter whose max_position_embeddings is below the context with acceptance collapsed "
+            "(docs/results/cpu-amx.md), although it raises the field for its rotary cache.",
+    "speculators": "speculators exports are served by vLLM, which collapses such a drafter past the field.",
+    "sglang": "SGLang sizes the drafter's rotary cache from it; not served here (loader contract only).",
+}
 
 
 def check_sizes(raw: RawCheckpoint, layout: str, tf: dict) -> list[Finding]:

@@ -112,7 +112,8 @@ def build(data: Path | list[Path], size: int | None, out: Path, target: str | No
           force: bool = False) -> dict:
     """Build and write the draft vocabulary of the train split of `data` (one or more dirs)."""
     if out.is_dir():
-        raise EyasError(f"--out {out} is a directory; a vocabulary is one file: pass a file path such as {out}/vocab.safetensors")
+        raise EyasError(f"--out {out} is a directory; a vocabulary is one file: pass a file path such as "
+                        f"{out}/vocab.safetensors")
     dirs = [Path(d) for d in (data if isinstance(data, (list, tuple)) else [data])]
     refuse_out_over_inputs(out, {"--data": dirs, "--target": targets.local_dir(target)})
     refuse_symlink_out(out)
@@ -127,7 +128,8 @@ def build(data: Path | list[Path], size: int | None, out: Path, target: str | No
     prepared = [(d, *fcap.read_prepared(d)) for d in dirs]
     paths = {_target_for(d, manifest, target) for d, manifest, _ in prepared}
     if len(paths) > 1:
-        raise EyasError(f"--data {' '.join(map(str, dirs))} were prepared for different targets; pass data of one target")
+        raise EyasError(f"--data {' '.join(map(str, dirs))} were prepared for different targets; pass data of "
+                        "one target")
     V = targets.load_config(paths.pop()).vocab_size
     n = min(DEFAULT_SIZE, V) if size is None else size
     if not 0 < n <= V:

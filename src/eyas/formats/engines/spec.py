@@ -189,7 +189,8 @@ _SGLANG = dict(
     n_aux=3, fc_width="target_hidden", activations=("silu",), from_speculators=None,
     needs_speculators_config=False, embed_required=True, tie_embeddings_refused=True, head_from_verifier=False,
     head_from_target_without_draft_vocab=True, flat=True, write_prefix="midlayer.", write_config=configs.write_flat,
-    writes_use_aux=True, explicit_flags=(), writes_embed="if_hidden_differs", served_by=("sglang",), arch_registry="sglang")
+    writes_use_aux=True, explicit_flags=(), writes_embed="if_hidden_differs", served_by=("sglang",),
+    arch_registry="sglang")
 
 SPECS: dict[tuple[str, str], EngineSpec] = {("eagle3", s.name): s for s in (
     EngineSpec(name="sglang", weights_files=("model.safetensors", "pytorch_model.bin"),
