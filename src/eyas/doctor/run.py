@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.doctor import dynamic, head_check, static, vocab_check, with_target
+from eyas.doctor import dynamic, head_check, positions, static, vocab_check, with_target
 from eyas.doctor.findings import INFO, Report, make
 from eyas.doctor.reading import detect_layout, engine_views, read_raw
 from eyas.formats import engines
@@ -63,6 +63,14 @@ def diagnose(opt: DoctorOptions) -> Report:
         fs = static.check_keys(raw, views) + static.check_engine_errors(views, failed) + \
             static.check_aux(raw, layout, views) + static.check_shared_fields(raw, views)
         rep.extend(_soften(fs, strict, layout))
+    if layout != engines.EYAS:  # an eyas checkpoint is checked after export, where the engine reads it
+        target_max = None
+        if opt.target:
+            from eyas import targets
+
+            target_max = targets.max_positions(targets.load_config(targets.resolve(opt.target)))
+        served, where = positions.served_length(raw, opt.max_model_len, target_max)
+        rep.extend(_soften(positions.check(raw, views, served, where, layout), strict, layout))
     if opt.against:
         rep.extend(vocab_check.against(raw, opt.against))
     if opt.data:
@@ -81,7 +89,6 @@ def _with_target(rep: Report, raw, layout: str, views, opt: DoctorOptions, stric
     tf = with_target.target_facts(tdir)
     rep.measurements["target"] = {"path": str(tdir), **tf}
     rep.extend(with_target.check_sizes(raw, layout, tf))
-    rep.extend(with_target.check_positions(raw, views, tf, opt.max_model_len))
     if not rep.has("EYAS-VOCAB-SIZE"):
         from eyas.formats.target_weights import target_head
 

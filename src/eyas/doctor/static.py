@@ -411,17 +411,12 @@ def check_engine_errors(views: dict[str, EngineReading], failed: dict[str, str] 
 # differ least): a warning to measure at your context lengths. rms_norm_eps is added to a mean
 # square far larger than it: unaffected. norm_before_residual read as true for a drafter trained
 # without it (vLLM's default for a speculators config that omits it, algos.update_eagle3) cost
-# little: the residual becomes hidden_norm(h) instead of h, close while h's RMS is near one. A smaller
-# max_position_embeddings collapsed acceptance although vLLM raises it for the rotary cache
-# (SpeculativeConfig._maybe_override_draft_max_position_embeddings); a larger one changes nothing
-# under default RoPE (scaled RoPE types read it: see _severity).
-FIELD_SEVERITY = {"rope_parameters": WARNING, "rms_norm_eps": WARNING, "max_position_embeddings": ERROR,
-                  "norm_before_residual": WARNING}
+# little: the residual becomes hidden_norm(h) instead of h, close while h's RMS is near one.
+# max_position_embeddings is compared with the context served, not with training: doctor/positions.py.
+FIELD_SEVERITY = {"rope_parameters": WARNING, "rms_norm_eps": WARNING, "norm_before_residual": WARNING}
 
 
-def _severity(field: str, got, trained, rope: dict) -> str:
-    if field == "max_position_embeddings" and got > trained and rope.get("rope_type", "default") == "default":
-        return INFO
+def _severity(field: str) -> str:
     return FIELD_SEVERITY.get(field, ERROR)  # the rest are the peer flags the engine implements
 
 
@@ -442,9 +437,9 @@ def check_shared_fields(raw: RawCheckpoint, views: dict[str, EngineReading]) -> 
     out = []
     for e, r in views.items():
         for f, got, trained in engines.config_differences(r, want):
-            if f in engines.SIZE_FIELDS:
+            if f in engines.SIZE_FIELDS or f == "max_position_embeddings":  # positions.py: against the context
                 continue
-            sev = _severity(f, got, trained, dict(r.config.rope_parameters))
+            sev = _severity(f)
             out.append(make("EYAS-CONFIG-MISMATCH", f"{e} builds the drafter with {f}={got!r}; it was trained with "
                             f"{trained!r}", severity=sev, engine=e,
                             evidence={"field": f, "engine_reads": got, "trained": trained},
@@ -461,6 +456,4 @@ _FIELD_CAUSE = {
     "rms_norm_eps": "eps is added to the mean square of activations far larger than it: negligible in practice.",
     "norm_before_residual": "the residual becomes hidden_norm(h) instead of h (or back): close while h's RMS is "
                             "near one; measure with --target T --prompts FILE, and write the flag explicitly.",
-    "max_position_embeddings": "fewer positions than trained: vLLM serves it with acceptance collapsed, though it "
-                               "raises the value for its rotary cache.",
 }

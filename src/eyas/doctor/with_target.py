@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from eyas.doctor.findings import ERROR, INFO, WARNING, Finding, Report, make
+from eyas.doctor.findings import INFO, WARNING, Finding, Report, make
 from eyas.doctor.reading import EngineReading, RawCheckpoint, intended_aux_ids
 from eyas.doctor.static import CONVERT, _dims, cfg_get
 from eyas.formats import engines
@@ -49,57 +49,6 @@ def target_facts(target_dir) -> dict:
     return {"num_layers": int(cfg.num_hidden_layers), "hidden_size": int(cfg.hidden_size),
             "vocab_size": int(cfg.vocab_size), "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
             "max_positions": targets.max_positions(cfg)}
-
-
-def trained_positions(raw: RawCheckpoint) -> tuple[int | None, str]:
-    """(the longest position the drafter was trained at, where that was read): eyas.json's
-    `trained_positions`, else its training config's --max-len (an upper bound); None for a drafter
-    eyas did not train."""
-    m = raw.meta
-    if isinstance(m.get("trained_positions"), int) and m["trained_positions"] > 0:
-        return m["trained_positions"], "eyas.json trained_positions"
-    tc = m.get("train_config") or {}
-    if isinstance(tc.get("max_len"), int):
-        return tc["max_len"], "eyas.json train_config.max_len"
-    return None, ""
-
-
-def check_positions(raw: RawCheckpoint, views: dict[str, EngineReading], tf: dict,
-                    max_model_len: int | None) -> list[Finding]:
-    """The drafter's positions against the context it is served at (`max_model_len`, else the
-    target's max_position_embeddings): the length it was trained at, and the config field each
-    engine builds its rotary table from."""
-    served = max_model_len or tf["max_positions"]
-    where = "--max-model-len" if max_model_len else "the target's max_position_embeddings"
-    out = []
-    trained, src = trained_positions(raw)
-    if trained is not None and trained < served:
-        out.append(make("EYAS-POSITIONS-SHORT", f"trained at up to {trained} tokens, served up to {served} ({where}): "
-                        "acceptance past the trained length is unmeasured", severity=POSITION_SEVERITY["trained"],
-                        evidence={"trained_positions": trained, "from": src, "served": served},
-                        cause="a drafter sees positions past its training only at serving time; its acceptance "
-                        "falls with context there (measure it before deploying).",
-                        fix="eyas bench with prompts as long as you serve; retrain with --max-len on long data, or "
-                        f"serve with --max-model-len {trained}"))
-    for e, r in views.items():
-        got = r.config.max_position_embeddings
-        if got < served:
-            out.append(make("EYAS-POSITIONS-SHORT", f"{e} reads max_position_embeddings={got}, served up to {served} "
-                            f"({where})", engine=e, severity=POSITION_SEVERITY[e],
-                            evidence={"max_position_embeddings": got, "served": served}, cause=POSITION_CAUSE[e],
-                            fix=f"set max_position_embeddings to {served} in config.json (the drafter's RoPE is the "
-                            "target's; the field only sizes its tables)"))
-    return out
-
-
-# Set from what vLLM 0.32 does when served (bench/positions_vs_vllm.py); see docs/results.
-POSITION_SEVERITY = {"trained": WARNING, "vllm": ERROR, "speculators": ERROR, "sglang": WARNING}
-POSITION_CAUSE = {
-    "vllm": "vLLM serves a drafter whose max_position_embeddings is below the context with acceptance collapsed "
-            "(docs/results/cpu-amx.md), although it raises the field for its rotary cache.",
-    "speculators": "speculators exports are served by vLLM, which collapses such a drafter past the field.",
-    "sglang": "SGLang sizes the drafter's rotary cache from it; not served here (loader contract only).",
-}
 
 
 def check_sizes(raw: RawCheckpoint, layout: str, tf: dict) -> list[Finding]:

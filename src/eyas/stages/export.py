@@ -5,7 +5,7 @@ would load broken. Orchestration only; the formats live in eyas.formats.engines.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eyas import targets
@@ -41,6 +41,8 @@ class ConvertConfig:
     out: Path = arg("output directory (must be new or empty unless --force)")
     target: str | None = arg("target directory or built-in name: adds embed_tokens.weight where the format needs "
                              "it, resolves default aux layers, and is the speculators verifier path", None)
+    max_positions: int | None = arg("write max_position_embeddings N (vLLM drafts nothing past the drafter's "
+                                    "field; with default RoPE nothing else reads it)", None)
     force: bool = arg("replace --out and write even when static checks fail", False)
     json: bool = arg("print a machine-readable JSON summary", False)
 
@@ -76,7 +78,8 @@ def run_convert(args: ConvertConfig) -> int:
 
 
 def _write(args, src: Path, layout: str, fmt: str, picked: str) -> int:
-    summary = write_export(src, layout, fmt, Path(args.out), target=args.target, force=args.force, args=args)
+    summary = write_export(src, layout, fmt, Path(args.out), target=args.target, force=args.force, args=args,
+                           max_positions=getattr(args, "max_positions", None))
     summary["picked"] = picked
     human = [f"wrote {summary['out']} ({fmt}) from {src} ({picked}); aux layers (HF index) "
              f"{summary['aux_layer_ids_hf']}"]
@@ -102,12 +105,20 @@ def vllm_line(drafter_dir: Path, target):
 
 
 def write_export(src: Path, layout: str, fmt: str, out: Path, *, target=None, force: bool = False,
-                 args=None) -> dict:
+                 args=None, max_positions: int | None = None) -> dict:
     """Write `src` (in `layout`) to `out` as `fmt`, then check it as that engine would load it;
     refuses (FindingsError, nothing written) a drafter the engine would load broken unless `force`.
-    Returns the summary `eyas export --json` prints."""
+    `max_positions` replaces the drafter's max_position_embeddings. Returns the summary `eyas export
+    --json` prints."""
     tdir = targets.resolve(str(target)) if target else None
     cfg, state, imported = engines.import_checkpoint(src, layout, target=tdir)
+    if max_positions is not None:
+        rope = cfg.rope_parameters.get("rope_type", "default")
+        if max_positions < 1 or rope != "default":
+            raise EyasError(f"--max-positions {max_positions}: " + ("must be positive" if max_positions < 1 else
+                            f"the drafter's RoPE ({rope}) reads max_position_embeddings, so changing it changes "
+                            "the function it was trained as; serve with --max-model-len at most its value instead"))
+        cfg = replace(cfg, max_position_embeddings=max_positions)
     meta = {"source": str(src), "source_layout": layout, "aux_layer_ids_source": imported.get("aux_layer_ids_source"),
             **({"trained": imported["eyas"]} if "eyas" in imported else {}), "provenance": provenance(args)}
     refuse_out_over_inputs(out, {"source": src, "--target": targets.local_dir(target)})
