@@ -126,8 +126,13 @@ def test_d2t_zero_or_missing_beside_a_right_t2d(export, eyas_cli, tiny_target, k
     assert code == 1 and f and "t2d" in f["command"]
 
 
-def test_recorded_vocabulary_decides_without_the_target(export, eyas_cli):
-    ck = mutate(export, "d2t_wrong_recorded", d2t=wrong_d2t(export), keep_record=True)
+@pytest.mark.parametrize("nested", [False, True])
+def test_recorded_vocabulary_decides_without_the_target(export, eyas_cli, nested):
+    ck = mutate(export, f"d2t_wrong_recorded{nested}", d2t=wrong_d2t(export), keep_record=True)
+    if nested:  # `eyas export` keeps the checkpoint's eyas.json under "trained"
+        meta = json.loads((ck / "eyas.json").read_text())
+        (ck / "eyas.json").write_text(json.dumps({"trained": {k: meta.pop(k) for k in ("vocab", "vocab_fingerprint")},
+                                                  **meta}))
     code, rep = doctor(eyas_cli, ck)
     assert code == 1 and found(rep, "EYAS-D2T-WRONG-IDS")["severity"] == "error"
 

@@ -62,7 +62,7 @@ def readings(raw: RawCheckpoint, V: int, files: list[Path]) -> dict[str, torch.T
 def training_vocab(raw: RawCheckpoint) -> tuple[Path | None, str | None]:
     """(the vocabulary file eyas.json says the drafter was trained with, when it exists here; its
     recorded fingerprint)."""
-    m = raw.meta
+    m = raw.training
     path = Path(m["vocab"]) if isinstance(m.get("vocab"), str) and m["vocab"] else None
     return (path if path is not None and path.is_file() else None), m.get("vocab_fingerprint")
 
@@ -103,8 +103,8 @@ def _recover_hint(raw: RawCheckpoint) -> str:
     path, _ = training_vocab(raw)
     if path is not None:
         return f"eyas vocab repair --drafter {raw.path} --maps-from {path} --out OUT"
-    named = raw.meta.get("vocab")
-    data = (raw.meta.get("config") or {}).get("data") or raw.meta.get("data")
+    named = raw.training.get("vocab")
+    data = (raw.training.get("train_config") or {}).get("data")
     where = f"eyas.json names {named}, which is not here; " if named else ""
     rebuild = f"eyas vocab build --data {data} ..." if data else "eyas vocab build --data DATA --size N"
     return (f"{where}recover the training vocabulary (rebuild it with {rebuild} on the data the drafter was trained "

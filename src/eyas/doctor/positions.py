@@ -33,7 +33,7 @@ def trained_positions(raw: RawCheckpoint) -> tuple[int | None, str]:
     """(the longest position the drafter was trained at, where that was read): eyas.json's
     `trained_positions`, else its training config's --max-len (an upper bound); None for a drafter
     eyas did not train."""
-    m = raw.meta
+    m = raw.training
     if isinstance(m.get("trained_positions"), int) and m["trained_positions"] > 0:
         return m["trained_positions"], "eyas.json trained_positions"
     tc = m.get("train_config") or {}

@@ -38,6 +38,12 @@ class RawCheckpoint:
     meta: dict  # eyas.json, {} when absent
     weights_file: Path
 
+    @property
+    def training(self) -> dict:
+        """What eyas recorded when it trained the drafter: an export's eyas.json keeps it under
+        `trained` (stages/export.py), a checkpoint's eyas.json is it ({} for other tools' drafters)."""
+        return self.meta["trained"] if isinstance(self.meta.get("trained"), dict) else self.meta
+
     def canonical(self) -> dict[str, torch.Tensor]:
         """Tensors under eyas names whichever decoder prefix the file uses (`model.` stripped)."""
         return engines.to_eyas_names(self.tensors)

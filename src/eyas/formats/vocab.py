@@ -227,4 +227,6 @@ def write_remapped_checkpoint(src: Path, out: Path, tensors: dict[str, torch.Ten
         meta = json.loads(meta_file.read_text())
         meta["vocab_fingerprint"] = vocab_fingerprint(vm.d2t, vm.target_size)
         meta["draft_vocab_size"] = vm.draft_size
+        if isinstance(meta.get("trained"), dict):  # an export keeps the training record there (doctor reads it)
+            meta["trained"]["vocab_fingerprint"] = meta["vocab_fingerprint"]
         meta_file.write_text(json.dumps(meta, indent=2) + "\n")
