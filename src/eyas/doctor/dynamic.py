@@ -323,11 +323,11 @@ def locate(name: str, base: dict, p: Path_, raw, intended, L, cfg_base, seqs, st
                "error": r.get("error")}
         tried.append(row)
         if r.get("accept_len") is not None and (best is None or r["accept_len"] > best[2]["accept_len"]):
-            best = (fid, label, r)
+            best = (fid, label, r, v)
     goal = ref_al if ref_al is not None else base_al
     if best is None or best[2]["accept_len"] - base_al <= gap_threshold(max(goal, best[2]["accept_len"])):
         return [], tried
-    fid, label, r = best
+    fid, label, r, v = best
     eng = None if name == "eyas reference" else name
     who = "this checkpoint as eyas reads it" if eng is None else f"{name}'s reading"
     test = paired(r, base)
@@ -343,11 +343,11 @@ def locate(name: str, base: dict, p: Path_, raw, intended, L, cfg_base, seqs, st
              cause=CAUSES[fid], fix=FIXES[fid].format(ckpt=raw.path, engine=eng or "sglang"),
              command=(["vocab", "repair", "--drafter", str(raw.path), "--maps-from", REPAIR_FROM[fid], "--out", "OUT"]
                       if fid in REPAIR_FROM else None))
-    if eng is None and fid not in REPAIR_FROM:
-        # The reference reads the checkpoint as its author meant it. A change of the aux path that beats it
-        # is no proof of a fault: an undertrained drafter whose head starts from the target's rows predicts
-        # better from the target's last state than from its own fc (seen on 1-10-step drafters). The
-        # vocabulary variants are checked against the head's rows (head_check), so they stay errors.
+    if eng is None and (v.aux_ids is None or any(i >= L for i in v.aux_ids)):
+        # The reference reads the checkpoint as its author meant it. A variant that feeds the drafter the
+        # target's last state (fc bypassed, or aux id L) and beats it is no proof of a fault: an undertrained
+        # drafter whose head starts from the target's rows predicts better from that state than from its own
+        # fc (seen on 1-10-step drafters).
         f.severity = WARNING
         f.cause = ("either the checkpoint misdescribes how it was trained (" + CAUSES[fid].rstrip(".") + "), or the "
                    "drafter is undertrained and the changed path happens to predict better; train longer and rerun")
