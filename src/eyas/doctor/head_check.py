@@ -129,7 +129,7 @@ def check_head(raw: RawCheckpoint, target_head: torch.Tensor, files: list[Path])
     best = max(agree, key=agree.get)  # ties: the served reading (first)
     if agree[best] >= MATCH and agree[SERVED] >= agree[best] - CLOSE:
         return [make("EYAS-HEAD-MATCH", f"the lm_head follows d2t: {agree[SERVED]:.0%} of sampled rows are nearest "
-                     "the target's row of their d2t id", evidence={**ev, "agree": agree})]
+                     "the target's row of their d2t id", evidence={**ev, "agree": agree, "follows": SERVED})]
     if agree[best] >= MATCH:
         if best == "t2d":
             return [_wrong_d2t(raw, {**ev, "agree": agree}, f"the head: {agree['t2d']:.0%} of its rows follow t2d, "
@@ -176,7 +176,7 @@ def reconcile(findings: list[Finding], decided: list[Finding], path: Path) -> li
         findings = [f for f in findings if f.id != "EYAS-LMHEAD-UNTRAINED"]
     if any(f.severity == ERROR for f in decided):
         return [f for f in findings if f.id not in ANSWERED] + decided
-    if any(f.id == "EYAS-HEAD-MATCH" and f.message.startswith("the lm_head follows d2t") for f in decided):
+    if any(f.id == "EYAS-HEAD-MATCH" and f.evidence.get("follows") == SERVED for f in decided):
         for f in findings:
             if f.id == "EYAS-T2D-MISMATCH":
                 f.severity = WARNING

@@ -47,8 +47,7 @@ def target_facts(target_dir) -> dict:
 
     cfg = targets.load_config(target_dir)
     return {"num_layers": int(cfg.num_hidden_layers), "hidden_size": int(cfg.hidden_size),
-            "vocab_size": int(cfg.vocab_size), "architecture": (getattr(cfg, "architectures", None) or ["?"])[0],
-            "max_positions": targets.max_positions(cfg)}
+            "vocab_size": int(cfg.vocab_size), "architecture": (getattr(cfg, "architectures", None) or ["?"])[0]}
 
 
 def check_sizes(raw: RawCheckpoint, layout: str, tf: dict) -> list[Finding]:

@@ -66,8 +66,8 @@ def run(args: DoctorConfig) -> int:
     if args.against is not None and not args.against.exists():
         raise EyasError(f"--against {args.against}: no such file or directory")
     for flag, v, least in (("--num-prompts", args.num_prompts, 1), ("--steps", args.steps, 1),
-                           ("--new-tokens", args.new_tokens, 2), ("--max-model-len", args.max_model_len or 1, 1)):
-        if v < least:
+                           ("--new-tokens", args.new_tokens, 2), ("--max-model-len", args.max_model_len, 1)):
+        if v is not None and v < least:
             raise EyasError(f"{flag} {v}: must be >= {least}")
     targets.parse_device(args.device)  # a bad --device exits 2 before any work
     if args.target:  # the dynamic checks decode that many tokens per prompt, several times over

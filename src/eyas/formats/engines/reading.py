@@ -109,7 +109,7 @@ def engine_view(raw: dict, s: EngineSpec) -> tuple[dict, list[str]]:
     return dict(raw), notes
 
 
-def _aux_notes(s: EngineSpec, read, c: dict) -> list[str]:
+def _aux_notes(s: EngineSpec, read) -> list[str]:
     notes = [f"{s.name} reads aux ids only from {', '.join(f.path for f in s.aux.fields)}; it ignores {p}"
              for p in read.ignored]
     if read.alt_hf is not None:
@@ -165,7 +165,7 @@ def engine_reading(ckpt_dir: Path, engine: str, target: Path | None = None) -> E
     c, notes = engine_view(raw, s)
     read = s.aux.read(c)
     aux_hf = s.aux.resolve(c, num_layers(target_config(target)))
-    notes += _aux_notes(s, read, c)
+    notes += _aux_notes(s, read)
     cfg = _engine_config(c, s, aux_hf, str(Path(ckpt_dir) / "config.json"))
     ec = configs.eagle_config(c)
     use_aux = bool(ec.get("use_aux_hidden_state", True))
